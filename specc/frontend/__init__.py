@@ -1,0 +1,1 @@
+"""Front end: YAML with locations -> interpolated, validated spec model."""

@@ -1,0 +1,463 @@
+"""Load a spec: read YAML with locations, follow `extends`, apply overrides, interpolate config,
+and check structure, names, types and dataflow. Every failure is a located SpecError."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from ..errors import Loc, SpecError, did_you_mean
+from ..ops import SPEC_OPS
+from .dataflow import check_identifier, parse_step
+from .expr import has_interpolation, interpolate, unknown_name
+from .model import Leaf, ModelInput, ModuleDef, Ref, Settings, Spec
+from .yamlload import LDict, LList, LStr, load_yaml, read_text
+
+TOP_KEYS = {"name": "str", "description": "str", "extends": "str", "config": "mapping", "model": "mapping",
+            "modules": "mapping", "hf": "mapping"}
+MODEL_KEYS = {"module", "inputs"}
+MODULE_KEYS = {"description", "inputs", "submodules", "forward"}
+REF_KEYS = {"module", "repeat", "description"}
+LEAF_RESERVED = {"op", "impl", "description"}
+IMPLS = ("auto", "native", "te", "flash", "unfused")
+DTYPES = ("int64", "int32", "float32", "bfloat16", "float16")
+MAX_EXTENDS = 16
+MAX_REPEAT = 100_000
+
+
+def load_spec(path: str, settings: Settings = Settings(), overrides: list = ()) -> Spec:
+    raw, texts = _read_with_extends(path, [])
+    for key, value, loc in overrides:
+        _apply_override(raw, key, value, loc)
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(text.encode())
+    for key, value, _ in overrides:
+        digest.update(f"\0{key}={value}".encode())
+    return _Builder(raw, path, settings, digest.hexdigest()).build()
+
+
+# -- reading and extending -------------------------------------------------------------------
+
+def _read_with_extends(path: str, chain: list):
+    norm = os.path.normpath(os.path.abspath(path))
+    if norm in chain:
+        raise SpecError(Loc(path, 1, 1), "cycle in 'extends': " + " -> ".join(os.path.basename(p) for p in chain + [norm]))
+    if len(chain) >= MAX_EXTENDS:
+        raise SpecError(Loc(path, 1, 1), f"'extends' chain is longer than {MAX_EXTENDS} files")
+    text = read_text(path)
+    doc = load_yaml(text, path)
+    if not isinstance(doc, LDict):
+        raise SpecError(Loc(path, 1, 1), f"a spec must be a YAML mapping, got {_kind(doc)}",
+                        "start with keys such as 'name:', 'config:', 'model:' and 'modules:'")
+    _check_keys(doc, TOP_KEYS, "top-level")
+    texts = [text]
+    if "extends" in doc:
+        parent = doc["extends"]
+        if not isinstance(parent, str) or not parent:
+            raise SpecError(doc.value_loc("extends"), "'extends' must name a spec file", "e.g. extends: gpt.yaml")
+        parent_path = os.path.join(os.path.dirname(path), parent)
+        if not os.path.exists(parent_path):
+            raise SpecError(doc.value_loc("extends"), f"extended spec '{parent}' not found",
+                            "paths are relative to this spec's folder")
+        base, parent_texts = _read_with_extends(parent_path, chain + [norm])
+        doc = _merge(base, doc)
+        texts = parent_texts + texts
+        doc.pop("extends", None)
+    return doc, texts
+
+
+def _merge(base, over, path=()):
+    """Deep merge: mappings merge key by key, everything else is replaced by `over`. A module that
+    brings its own `forward` replaces the parent's module whole: a new dataflow is a new module."""
+    if not (isinstance(base, LDict) and isinstance(over, LDict)):
+        return over
+    if len(path) == 2 and path[0] == "modules" and "forward" in over:
+        return over
+    out = LDict(base)
+    out.loc, out.key_locs, out.value_locs = over.loc, dict(base.key_locs), dict(base.value_locs)
+    for key, value in over.items():
+        out[key] = _merge(base[key], value, path + (key,)) if key in base else value
+        out.key_locs[key] = over.key_locs[key]
+        out.value_locs[key] = over.value_locs[key]
+    return out
+
+
+def _apply_override(raw: LDict, key: str, value, loc: Loc) -> None:
+    """`--set name=value` sets a config value; `--set a.b.c=value` a path in the spec."""
+    parts = key.split(".") if "." in key else ["config", key]
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        if not isinstance(node, LDict) or part not in node:
+            where = ".".join(parts[: i + 1])
+            raise SpecError(loc, f"--set {key}: '{where}' is not in the spec",
+                            did_you_mean(part, node.keys() if isinstance(node, dict) else []))
+        node = node[part]
+    last = parts[-1]
+    if not isinstance(node, LDict) or last not in node:
+        known = node.keys() if isinstance(node, dict) else []
+        raise SpecError(loc, f"--set {key}: unknown {'config value' if parts[0] == 'config' and len(parts) == 2 else 'key'} '{last}'",
+                        did_you_mean(last, known))
+    node[last] = value
+    node.value_locs[last] = loc
+
+
+# -- building the model ----------------------------------------------------------------------
+
+class _Builder:
+    def __init__(self, raw: LDict, path: str, settings: Settings, digest: str):
+        self.raw, self.path, self.settings, self.digest = raw, path, settings, digest
+        self.config_raw = raw.get("config", LDict())
+        self.resolved: dict = {}
+        self.resolving: list = []
+
+    def build(self) -> Spec:
+        raw = self.raw
+        for key in ("name", "model", "modules"):
+            if key not in raw:
+                raise SpecError(raw.loc, f"missing required key '{key}'", _REQUIRED_HINTS[key])
+        name = self._str(raw, "name")
+        check_identifier(name, raw.value_loc("name"), "spec name")
+        if not isinstance(self.config_raw, LDict):
+            raise SpecError(raw.value_loc("config"), f"'config' must be a mapping, got {_kind(self.config_raw)}")
+        for key in self.config_raw:
+            check_identifier(key, self.config_raw.key_loc(key), "config name")
+        config = {k: self.lookup(k, self.config_raw.key_loc(k)) for k in self.config_raw}
+        modules_raw = raw["modules"]
+        if not isinstance(modules_raw, LDict) or not modules_raw:
+            raise SpecError(raw.value_loc("modules"), "'modules' must be a non-empty mapping of module names to definitions")
+        modules = {}
+        for mname, mraw in modules_raw.items():
+            check_identifier(mname, modules_raw.key_loc(mname), "module name")
+            modules[mname] = self._module(mname, mraw, modules_raw.value_loc(mname), modules_raw)
+        root, inputs = self._model(raw["model"], raw.value_loc("model"), modules)
+        _check_module_graph(modules, root)
+        desc = raw.get("description", "")
+        return Spec(name, self.path, str(desc) if desc else "", config, modules, root, inputs, self.settings,
+                    self.digest, raw.get("hf"))
+
+    # -- config and interpolation --
+    def lookup(self, name: str, loc: Loc):
+        builtins = {"tensor_model_parallel_size": self.settings.tp, "micro_batch_size": self.settings.micro_batch_size,
+                    "sequence_parallel": self.settings.sp}
+        if name in self.resolved:
+            return self.resolved[name]
+        if name not in self.config_raw:
+            if name in builtins:
+                return builtins[name]
+            raise unknown_name(name, loc, list(self.config_raw) + list(builtins))
+        if name in self.resolving:
+            cycle = " -> ".join(self.resolving[self.resolving.index(name):] + [name])
+            raise SpecError(self.config_raw.value_loc(name), f"config values refer to each other in a cycle: {cycle}")
+        self.resolving.append(name)
+        value = self.value(self.config_raw[name], self.config_raw.value_loc(name))
+        self.resolving.pop()
+        if isinstance(value, (LDict, dict)):
+            raise SpecError(self.config_raw.value_loc(name), f"config value '{name}' must be a scalar or a list, not a mapping")
+        self.resolved[name] = value
+        return value
+
+    def value(self, v, loc: Loc):
+        if isinstance(v, str) and has_interpolation(v):
+            start = loc.shifted(1) if getattr(v, "quoted", False) else loc
+            return interpolate(v, start, self.lookup)
+        if isinstance(v, LList):
+            return [self.value(x, v.item_loc(i)) for i, x in enumerate(v)]
+        return v
+
+    def _str(self, d: LDict, key: str) -> str:
+        v = self.value(d[key], d.value_loc(key))
+        if not isinstance(v, str):
+            raise SpecError(d.value_loc(key), f"'{key}' must be a string, got {_kind(v)}")
+        return v
+
+    # -- modules --
+    def _module(self, name: str, raw, loc: Loc, parent: LDict) -> ModuleDef:
+        if not isinstance(raw, LDict):
+            raise SpecError(loc, f"module '{name}' must be a mapping with 'submodules' and 'forward', got {_kind(raw)}")
+        _check_keys(raw, MODULE_KEYS, f"module '{name}'")
+        for key in ("forward",):
+            if key not in raw:
+                raise SpecError(raw.loc, f"module '{name}' is missing required key '{key}'",
+                                "list its steps, e.g. forward: ['y = linear(x)', 'return y']")
+        inputs = self._name_list(raw, "inputs", "input")
+        subs_raw = raw.get("submodules", LDict())
+        if not isinstance(subs_raw, LDict):
+            raise SpecError(raw.value_loc("submodules"), f"'submodules' must be a mapping, got {_kind(subs_raw)}")
+        subs = {}
+        for sname, sraw in subs_raw.items():
+            check_identifier(sname, subs_raw.key_loc(sname), "submodule name")
+            subs[sname] = self._submodule(sname, sraw, subs_raw.value_loc(sname))
+        steps_raw = raw["forward"]
+        if not isinstance(steps_raw, LList) or not steps_raw:
+            raise SpecError(raw.value_loc("forward"), "'forward' must be a non-empty list of steps",
+                            "e.g. ['y = linear(x)', 'return y']")
+        steps = [parse_step(s, steps_raw.item_loc(i)) for i, s in enumerate(steps_raw)]
+        desc = raw.get("description", "")
+        module = ModuleDef(name, inputs, subs, steps, [], raw.loc, str(desc) if desc else "")
+        _check_dataflow(module)
+        return module
+
+    def _name_list(self, raw: LDict, key: str, what: str) -> list:
+        items = raw.get(key, LList())
+        if not isinstance(items, LList):
+            raise SpecError(raw.value_loc(key), f"'{key}' must be a list of names, got {_kind(items)}")
+        seen = set()
+        for i, n in enumerate(items):
+            check_identifier(n, items.item_loc(i), what)
+            if n in seen:
+                raise SpecError(items.item_loc(i), f"duplicate {what} '{n}'")
+            seen.add(n)
+        return list(items)
+
+    def _submodule(self, name: str, raw, loc: Loc):
+        if not isinstance(raw, LDict):
+            raise SpecError(loc, f"submodule '{name}' must be a mapping with 'op:' or 'module:', got {_kind(raw)}")
+        if "op" in raw and "module" in raw:
+            raise SpecError(raw.key_loc("module"), f"submodule '{name}' has both 'op' and 'module'", "use one of them")
+        if "module" in raw:
+            _check_keys(raw, REF_KEYS, f"submodule '{name}'")
+            target = self._str(raw, "module")
+            repeat = None
+            if "repeat" in raw:
+                repeat = self._int(raw["repeat"], raw.value_loc("repeat"), "repeat")
+                if not 1 <= repeat <= MAX_REPEAT:
+                    raise SpecError(raw.value_loc("repeat"), f"repeat={repeat} must be between 1 and {MAX_REPEAT}")
+            return Ref(name, target, repeat, raw.loc)
+        if "op" not in raw:
+            raise SpecError(raw.loc, f"submodule '{name}' needs 'op:' (an op from the registry) or 'module:' (a spec module)")
+        op_name = self._str(raw, "op")
+        if op_name not in SPEC_OPS:
+            raise SpecError(raw.value_loc("op"), f"unknown op '{op_name}'", did_you_mean(op_name, SPEC_OPS))
+        kind = SPEC_OPS[op_name]
+        impl = self._str(raw, "impl") if "impl" in raw else "auto"
+        if impl not in IMPLS:
+            raise SpecError(raw.value_loc("impl"), f"unknown impl '{impl}'", did_you_mean(impl, IMPLS))
+        if impl != "auto" and impl not in kind.impls:
+            raise SpecError(raw.value_loc("impl"), f"op '{op_name}' has no '{impl}' implementation",
+                            "available: " + ", ".join(("auto",) + kind.impls))
+        known = {a.name: a for a in kind.attrs}
+        attrs, locs = {}, {}
+        for key in raw:
+            if key in LEAF_RESERVED:
+                continue
+            if key not in known:
+                raise SpecError(raw.key_loc(key), f"unknown attribute '{key}' for op '{op_name}'",
+                                did_you_mean(key, list(known) + sorted(LEAF_RESERVED)))
+            attrs[key] = self._attr(known[key], raw[key], raw.value_loc(key))
+            locs[key] = raw.value_loc(key)
+        for a in kind.attrs:
+            if a.name not in attrs:
+                if a.required:
+                    raise SpecError(raw.loc, f"op '{op_name}' in submodule '{name}' is missing required attribute '{a.name}'",
+                                    a.doc or f"add '{a.name}: ...'")
+                attrs[a.name] = a.default
+        return Leaf(name, op_name, impl, attrs, locs, raw.loc)
+
+    def _attr(self, attr, raw, loc: Loc):
+        value = self.value(raw, loc)
+        if attr.type == "int":
+            value = self._int(value, loc, attr.name, evaluated=True)
+        elif attr.type == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise SpecError(loc, f"'{attr.name}' must be a number, got {_kind(value)}")
+            value = float(value)
+        elif attr.type == "bool":
+            if not isinstance(value, bool):
+                raise SpecError(loc, f"'{attr.name}' must be true or false, got {_kind(value)}")
+        elif attr.type == "str":
+            if not isinstance(value, str):
+                raise SpecError(loc, f"'{attr.name}' must be a string, got {_kind(value)}")
+            value = str(value)
+            if attr.choices and value not in attr.choices:
+                raise SpecError(loc, f"'{attr.name}' must be one of {', '.join(attr.choices)}, got '{value}'",
+                                did_you_mean(value, attr.choices))
+        elif attr.type == "int_list":
+            if not isinstance(value, list) or not value:
+                raise SpecError(loc, f"'{attr.name}' must be a non-empty list of integers, got {_kind(value)}")
+            items = raw if isinstance(raw, LList) else None
+            value = tuple(self._int(x, items.item_loc(i) if items else loc, attr.name, evaluated=True) for i, x in enumerate(value))
+            for x in value:
+                if x < 1:
+                    raise SpecError(loc, f"'{attr.name}' entries must be positive, got {x}")
+        if attr.minimum is not None and isinstance(value, (int, float)) and value < attr.minimum:
+            raise SpecError(loc, f"'{attr.name}' must be at least {attr.minimum}, got {value}")
+        return value
+
+    def _int(self, raw, loc: Loc, what: str, evaluated: bool = False) -> int:
+        value = raw if evaluated else self.value(raw, loc)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(loc, f"'{what}' must be an integer, got {_kind(value)}")
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise SpecError(loc, f"'{what}' must be an integer, got {value:g}", "sizes must divide evenly; use // for integer division")
+            value = int(value)
+        return value
+
+    # -- the root --
+    def _model(self, raw, loc: Loc, modules: dict):
+        if not isinstance(raw, LDict):
+            raise SpecError(loc, f"'model' must be a mapping with 'module' and 'inputs', got {_kind(raw)}")
+        _check_keys(raw, MODEL_KEYS, "'model'")
+        if "module" not in raw:
+            raise SpecError(raw.loc, "'model' is missing 'module'", "name the root module, e.g. module: GPTModel")
+        root = self._str(raw, "module")
+        if root not in modules:
+            raise SpecError(raw.value_loc("module"), f"undefined module '{root}'", did_you_mean(root, modules))
+        decl = raw.get("inputs", LDict())
+        if not isinstance(decl, LDict):
+            raise SpecError(raw.value_loc("inputs"), "'model.inputs' must map each root input to {shape: [...], dtype: ...}")
+        inputs = []
+        want = modules[root].inputs
+        for name in decl:
+            if name not in want:
+                raise SpecError(decl.key_loc(name), f"'{name}' is not an input of module '{root}'", did_you_mean(name, want))
+        for name in want:
+            if name not in decl:
+                raise SpecError(raw.loc, f"root input '{name}' of module '{root}' has no declared shape",
+                                f"add '{name}: {{shape: [micro_batch_size, seq_length], dtype: int64}}' under model.inputs")
+            inputs.append(self._input(name, decl[name], decl.value_loc(name)))
+        return root, inputs
+
+    def _input(self, name: str, raw, loc: Loc) -> ModelInput:
+        if not isinstance(raw, LDict):
+            raise SpecError(loc, f"input '{name}' must be a mapping {{shape: [...], dtype: ...}}")
+        _check_keys(raw, {"shape", "dtype"}, f"input '{name}'")
+        if "shape" not in raw:
+            raise SpecError(raw.loc, f"input '{name}' is missing 'shape'")
+        shape_raw = raw["shape"]
+        if not isinstance(shape_raw, LList) or not shape_raw:
+            raise SpecError(raw.value_loc("shape"), f"'shape' must be a non-empty list, got {_kind(shape_raw)}")
+        dims = []
+        for i, d in enumerate(shape_raw):
+            dloc = shape_raw.item_loc(i)
+            if isinstance(d, str) and not has_interpolation(d):
+                d = self.lookup(d, dloc)
+            d = self._int(self.value(d, dloc), dloc, "shape", evaluated=True)
+            if d < 1:
+                raise SpecError(dloc, f"shape dims must be positive, got {d}")
+            dims.append(d)
+        dtype = self._str(raw, "dtype") if "dtype" in raw else "int64"
+        if dtype not in DTYPES:
+            raise SpecError(raw.value_loc("dtype"), f"unknown dtype '{dtype}'", did_you_mean(dtype, DTYPES))
+        return ModelInput(name, tuple(dims), dtype, raw.loc)
+
+
+_REQUIRED_HINTS = {
+    "name": "add 'name: my_model'",
+    "model": "add 'model: {module: RootModule, inputs: {...}}'",
+    "modules": "add 'modules:' with at least the root module",
+}
+
+
+def _kind(v) -> str:
+    if isinstance(v, bool):
+        return "a boolean"
+    if v is None:
+        return "nothing (null)"
+    return {int: "an integer", float: "a number", str: "a string", LStr: "a string", list: "a list", LList: "a list",
+            dict: "a mapping", LDict: "a mapping"}.get(type(v), type(v).__name__)
+
+
+def _check_keys(d: LDict, allowed, where: str) -> None:
+    for key in d:
+        if key not in allowed:
+            raise SpecError(d.key_loc(key), f"unknown key '{key}' in {where}", did_you_mean(key, allowed))
+
+
+def _check_dataflow(m: ModuleDef) -> None:
+    """Every name defined before use, every callee a submodule, one final return."""
+    defined = {n: m.loc for n in m.inputs}
+    used_subs = set()
+    for i, step in enumerate(m.steps):
+        if step.expr is None:
+            if i != len(m.steps) - 1:
+                raise SpecError(m.steps[i + 1].loc, "step after 'return' is never run", "return must be the last step")
+            for n in step.returns:
+                if n not in defined:
+                    raise SpecError(step.loc, f"return of undefined variable '{n}'", did_you_mean(n, defined))
+            m.returns = list(step.returns)
+            continue
+        _check_expr(step.expr, m, defined, used_subs, step, i)
+        for t in step.targets:
+            defined[t] = step.loc
+    if not m.steps or m.steps[-1].expr is not None:
+        raise SpecError(m.steps[-1].loc if m.steps else m.loc, f"module '{m.name}' does not end with a 'return' step",
+                        "add e.g. 'return y'")
+    for name, sub in m.submodules.items():
+        if name not in used_subs:
+            raise SpecError(sub.loc, f"submodule '{name}' is never called in {m.name}'s forward",
+                            "call it in a step or remove it")
+
+
+def _check_expr(e, m: ModuleDef, defined: dict, used_subs: set, step, index: int) -> None:
+    if e.kind == "var":
+        if e.name not in defined:
+            later = [s for s in m.steps[index:] if e.name in s.targets]
+            hint = ("it is assigned only at a later step: dataflow must not form a cycle" if later
+                    else did_you_mean(e.name, defined))
+            raise SpecError(e.loc, f"undefined variable '{e.name}'", hint)
+        return
+    for a in e.args:
+        _check_expr(a, m, defined, used_subs, step, index)
+    if e.kind == "call":
+        if e.name not in m.submodules:
+            raise SpecError(e.loc, f"'{e.name}' is not a submodule of {m.name}", did_you_mean(e.name, m.submodules))
+        used_subs.add(e.name)
+
+
+def _check_module_graph(modules: dict, root: str) -> None:
+    """Module references must exist, agree in arity, and not contain themselves."""
+    for m in modules.values():
+        for sub in m.submodules.values():
+            if isinstance(sub, Ref) and sub.module not in modules:
+                raise SpecError(sub.loc, f"undefined module '{sub.module}'", did_you_mean(sub.module, modules))
+    state: dict = {}
+
+    def visit(name: str, path: list, loc):
+        if state.get(name) == "active":
+            raise SpecError(loc, "cycle in module references: " + " -> ".join(path + [name]))
+        if state.get(name) == "done":
+            return
+        state[name] = "active"
+        for sub in modules[name].submodules.values():
+            if isinstance(sub, Ref):
+                visit(sub.module, path + [name], sub.loc)
+        state[name] = "done"
+
+    visit(root, [], modules[root].loc)
+    for m in modules.values():
+        for step in m.steps:
+            if step.expr is not None:
+                _check_arity(step.expr, step.targets, m, modules, top=True)
+
+
+def _check_arity(e, targets, m: ModuleDef, modules: dict, top: bool) -> None:
+    if e.kind == "var":
+        if top and len(targets) != 1:
+            raise SpecError(e.loc, f"cannot unpack one value into {len(targets)} names")
+        return
+    for a in e.args:
+        _check_arity(a, [None], m, modules, top=False)
+    if e.kind in ("add", "mul"):
+        if len(targets) != 1:
+            raise SpecError(e.loc, f"'{'+' if e.kind == 'add' else '*'}' gives one value, not {len(targets)}")
+        return
+    sub = m.submodules[e.name]
+    if isinstance(sub, Ref):
+        callee = modules[sub.module]
+        n_in, n_out = len(callee.inputs), len(callee.returns)
+        if sub.repeat is not None and (n_in != 1 or n_out != 1):
+            raise SpecError(sub.loc, f"repeated module '{sub.module}' must take one input and return one value",
+                            f"it takes {n_in} and returns {n_out}")
+        lo, hi = n_in, n_in
+    else:
+        kind = SPEC_OPS[sub.op]
+        lo, hi = kind.n_inputs
+        n_out = kind.out_count(sub.attrs)
+    if not lo <= len(e.args) <= hi:
+        want = str(lo) if lo == hi else f"{lo} to {hi}"
+        raise SpecError(e.loc, f"'{e.name}' takes {want} input(s), got {len(e.args)}")
+    if len(targets) != n_out:
+        raise SpecError(e.loc, f"'{e.name}' returns {n_out} value(s), but {len(targets)} name(s) receive them"
+                        if top else f"'{e.name}' returns {n_out} values and cannot be nested in an expression")

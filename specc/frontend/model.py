@@ -1,0 +1,97 @@
+"""The validated spec: plain dataclasses the rest of the compiler reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import Loc
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Parallel and size settings that come from the command line, not the spec."""
+
+    tp: int = 1
+    sp: bool = False
+    backend: str = "auto"  # default implementation for ops that say `impl: auto`
+    micro_batch_size: int = 1
+    dtype: str = "bf16"  # activation / parameter dtype used for bytes and memory
+    fuse: bool = True  # let implementations absorb adjacent boundaries
+
+    def describe(self) -> str:
+        return (f"tp={self.tp} sp={'on' if self.sp else 'off'} backend={self.backend} "
+                f"micro_batch_size={self.micro_batch_size} dtype={self.dtype} fuse={'on' if self.fuse else 'off'}")
+
+
+@dataclass
+class Expr:
+    """A dataflow expression: a variable, a call of a submodule, or a builtin (+, *)."""
+
+    kind: str  # "var" | "call" | "add" | "mul"
+    loc: Loc
+    name: str = ""  # variable or callee
+    args: list = field(default_factory=list)
+
+
+@dataclass
+class Step:
+    targets: list  # variable names assigned ([] for return)
+    expr: Expr | None
+    returns: list  # names returned (return step only)
+    text: str
+    loc: Loc
+
+
+@dataclass
+class Leaf:
+    """A submodule implemented by one op from the registry."""
+
+    name: str
+    op: str
+    impl: str
+    attrs: dict
+    attr_locs: dict
+    loc: Loc
+
+
+@dataclass
+class Ref:
+    """A submodule that is another spec module, optionally repeated."""
+
+    name: str
+    module: str
+    repeat: int | None
+    loc: Loc
+
+
+@dataclass
+class ModuleDef:
+    name: str
+    inputs: list
+    submodules: dict  # name -> Leaf | Ref, in spec order
+    steps: list
+    returns: list
+    loc: Loc
+    description: str = ""
+
+
+@dataclass
+class ModelInput:
+    name: str
+    shape: tuple
+    dtype: str
+    loc: Loc
+
+
+@dataclass
+class Spec:
+    name: str
+    path: str
+    description: str
+    config: dict
+    modules: dict  # name -> ModuleDef
+    root: str
+    inputs: list  # ModelInput, in order of the root module's inputs
+    settings: Settings
+    source_hash: str
+    hf: dict | None = None

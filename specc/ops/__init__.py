@@ -1,0 +1,17 @@
+"""The registry of op kinds a spec can name with `op:`."""
+
+from .attention import CoreAttention, Rotary
+from .base import Attr, Ctx, LayoutRule, OpKind, Weight
+from .elementwise import Add, Dropout, Gelu, Mul, Silu, Split, Swiglu
+from .embedding import Embedding, PositionEmbedding
+from .linear import BiasAdd, Linear
+from .loss import CrossEntropy
+from .norm import LayerNorm, RMSNorm
+
+_ALL = (Linear(), BiasAdd(), Embedding(), PositionEmbedding(), LayerNorm(), RMSNorm(), Gelu(), Silu(), Swiglu(),
+        Dropout(), Split(), Add(), Mul(), Rotary(), CoreAttention(), CrossEntropy())
+OPS = {op.name: op for op in _ALL}
+# what a spec may name with `op:` (builtins come from `+` and `*`; bias_add is made by the compiler)
+SPEC_OPS = {n: op for n, op in OPS.items() if not getattr(op, "builtin", False) and not getattr(op, "internal", False)}
+
+__all__ = ["OPS", "SPEC_OPS", "Attr", "Ctx", "LayoutRule", "OpKind", "Weight"]

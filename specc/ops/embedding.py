@@ -1,0 +1,72 @@
+"""Embeddings: the vocabulary-parallel word embedding and learned absolute positions."""
+
+from __future__ import annotations
+
+from .base import Attr, LayoutRule, OpKind, Weight, need_divisible
+
+
+def _token_shape(self, attrs, shapes, fail):
+    x = shapes[0]
+    if len(x) != 2:
+        fail(f"expects token ids of shape [batch, sequence], got {list(x)}")
+    b, s = x
+    return [(s, b, attrs["embedding_dim"])]
+
+
+class Embedding(OpKind):
+    name = "embedding"
+    doc = "Word embedding; sharded over the vocabulary under TP (Megatron VocabParallelEmbedding)."
+    attrs = (
+        Attr("num_embeddings", "int", required=True, minimum=1),
+        Attr("embedding_dim", "int", required=True, minimum=1),
+        Attr("init_std", "float", default=0.02, minimum=0.0),
+    )
+    out_shapes = _token_shape
+
+    def check(self, attrs, locs, ctx):
+        need_divisible(attrs["num_embeddings"], ctx.tp, "num_embeddings", locs.get("num_embeddings"),
+                       f"pad the vocabulary to a multiple of {ctx.tp} (Megatron's make-vocab-size-divisible-by)")
+
+    def weights(self, attrs):
+        return [Weight("weight", (attrs["num_embeddings"], attrs["embedding_dim"]), "normal", 0)]
+
+    def rule(self, attrs, ctx):
+        if ctx.tp == 1:
+            return LayoutRule(fixed_inputs=("I",), fixed_outputs=("I",))
+        return LayoutRule(fixed_inputs=("I",), fixed_outputs=("P",))
+
+    def constructor(self, node, ctx):
+        a = node.attrs
+        return f"runtime.VocabParallelEmbedding({a['num_embeddings']}, {a['embedding_dim']}, tp=self.tp, init_std={a['init_std']!r})"
+
+    def call(self, node, args, ctx):
+        return f"self.{node.attr_name}({args[0]})"
+
+
+class PositionEmbedding(OpKind):
+    name = "position_embedding"
+    doc = "Learned absolute position embedding, replicated; takes token ids for their shape."
+    attrs = (
+        Attr("num_embeddings", "int", required=True, minimum=1, doc="maximum sequence length"),
+        Attr("embedding_dim", "int", required=True, minimum=1),
+        Attr("init_std", "float", default=0.02, minimum=0.0),
+    )
+
+    def out_shapes(self, attrs, shapes, fail):
+        out = _token_shape(self, attrs, shapes, fail)
+        if out[0][0] > attrs["num_embeddings"]:
+            fail(f"sequence length {out[0][0]} exceeds num_embeddings={attrs['num_embeddings']}")
+        return out
+
+    def weights(self, attrs):
+        return [Weight("weight", (attrs["num_embeddings"], attrs["embedding_dim"]), "normal")]
+
+    def rule(self, attrs, ctx):
+        return LayoutRule(fixed_inputs=("I",), fixed_outputs=("I",))
+
+    def constructor(self, node, ctx):
+        a = node.attrs
+        return f"runtime.PositionEmbedding({a['num_embeddings']}, {a['embedding_dim']}, init_std={a['init_std']!r})"
+
+    def call(self, node, args, ctx):
+        return f"self.{node.attr_name}({args[0]})"

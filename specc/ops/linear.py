@@ -1,0 +1,104 @@
+"""Linear layers: column-parallel (output features sharded), row-parallel (input features
+sharded, output a partial sum), or replicated."""
+
+from __future__ import annotations
+
+from ..errors import SpecError
+from .base import Attr, LayoutRule, OpKind, Weight, need_divisible, numel
+
+
+class Linear(OpKind):
+    name = "linear"
+    doc = "y = x W^T + b over the last dim. parallel: column | row | none."
+    attrs = (
+        Attr("in_features", "int", required=True, minimum=1),
+        Attr("out_features", "int", required=True, minimum=1),
+        Attr("bias", "bool", default=True),
+        Attr("parallel", "str", default="none", choices=("column", "row", "none"),
+             doc="column: shard output features (Megatron ColumnParallelLinear); row: shard input features"),
+        Attr("segments", "int_list", doc="fused weights (QKV, gate+up): output sizes of each segment; each is sharded on its own"),
+        Attr("init_std", "float", default=0.02, minimum=0.0),
+        Attr("tie", "str", doc="share the weight of another op, e.g. the word embedding"),
+    )
+    impls = ("native", "te")
+
+    def segments(self, attrs) -> tuple:
+        return tuple(attrs.get("segments") or (attrs["out_features"],))
+
+    def check(self, attrs, locs, ctx):
+        segs = self.segments(attrs)
+        if sum(segs) != attrs["out_features"]:
+            raise SpecError(locs.get("segments"), f"segments {list(segs)} sum to {sum(segs)}, not out_features={attrs['out_features']}")
+        if attrs["parallel"] == "column":
+            for s in segs:
+                what = "segment size" if len(segs) > 1 else "out_features"
+                need_divisible(s, ctx.tp, what, locs.get("segments" if len(segs) > 1 else "out_features"))
+        if attrs["parallel"] == "row":
+            need_divisible(attrs["in_features"], ctx.tp, "in_features", locs.get("in_features"))
+            if attrs.get("segments"):
+                raise SpecError(locs.get("segments"), "segments apply to column-parallel linears only")
+
+    def out_shapes(self, attrs, shapes, fail):
+        x = shapes[0]
+        if not x or x[-1] != attrs["in_features"]:
+            fail(f"input has last dim {x[-1] if x else None}, expected in_features={attrs['in_features']}")
+        return [tuple(x[:-1]) + (attrs["out_features"],)]
+
+    def weights(self, attrs):
+        mode = attrs["parallel"]
+        shape = (attrs["out_features"], attrs["in_features"])
+        segs = self.segments(attrs)
+        out = []
+        if not attrs.get("tie"):
+            shard = {"column": 0, "row": 1}.get(mode)
+            out.append(Weight("weight", shape, "normal", shard, segs if mode == "column" else ()))
+        if attrs["bias"]:
+            out.append(Weight("bias", (attrs["out_features"],), "zeros",
+                              0 if mode == "column" else None, segs if mode == "column" else ()))
+        return out
+
+    def rule(self, attrs, ctx):
+        mode = attrs["parallel"]
+        if ctx.tp == 1 or mode == "none":
+            return LayoutRule(allowed=("I", "R", "S(s)"), accepts_reduction=True)
+        if mode == "column":
+            return LayoutRule(fixed_inputs=("R",), fixed_outputs=("S(h)",))
+        return LayoutRule(fixed_inputs=("S(h)",), fixed_outputs=("P",))
+
+    def saved_bytes(self, node, local_in, local_out, elt):
+        # the weight gradient needs the input; an absorbed sequence gather keeps only the shard
+        return [(node.inputs[0], numel(local_in[0]) * elt)]
+
+    def constructor(self, node, ctx):
+        a = node.attrs
+        args = [str(a["in_features"]), str(a["out_features"])]
+        kw = [f"bias={a['bias']}"]
+        mode = a["parallel"] if ctx.tp > 1 else "none"
+        if mode == "row":
+            return f"runtime.RowParallelLinear({', '.join(args + kw)}, tp=self.tp, init_std={a['init_std']!r})"
+        tp = "self.tp" if mode == "column" else 'runtime.Group.single("tp")'
+        if a.get("segments") and mode == "column":
+            kw.append(f"segments={list(a['segments'])}")
+        if node.absorbed:
+            kw.append(f'input_mode="{node.absorbed[0].mode}"')
+        if node.tied_to:
+            kw.append(f"weight={node.tied_expr}")
+        return f"runtime.ColumnParallelLinear({', '.join(args + kw)}, tp={tp}, init_std={a['init_std']!r})"
+
+    def call(self, node, args, ctx):
+        return f"self.{node.attr_name}({args[0]})"
+
+
+class BiasAdd(OpKind):
+    """The bias of a row-parallel linear, added after its partial sums are reduced (adding it
+    before would count it t times). Made by the compiler, not written in specs."""
+
+    name = "bias_add"
+    internal = True
+    attrs = (Attr("size", "int", required=True),)
+
+    def rule(self, attrs, ctx):
+        return LayoutRule(allowed=("I", "S(s)"), accepts_reduction=True)
+
+    def call(self, node, args, ctx):
+        return f"{args[0]} + self.{node.attrs['owner_attr']}.bias"

@@ -1,0 +1,30 @@
+"""Cross-entropy over the vocabulary. On vocabulary-sharded logits it is Megatron's
+vocab-parallel cross-entropy; it is never applied to gathered logits (that would add log t)."""
+
+from __future__ import annotations
+
+from .base import LayoutRule, OpKind, numel
+
+
+class CrossEntropy(OpKind):
+    name = "cross_entropy"
+    doc = "Per-token loss [batch, sequence] from logits [s, b, vocab] and labels [b, s]."
+    n_inputs = (2, 2)
+
+    def out_shapes(self, attrs, shapes, fail):
+        logits, labels = shapes
+        if len(logits) != 3 or tuple(labels) != (logits[1], logits[0]):
+            fail(f"expects logits [s, b, vocab] and labels [b, s], got {list(logits)} and {list(labels)}")
+        return [tuple(labels)]
+
+    def rule(self, attrs, ctx):
+        return LayoutRule(allowed=("I", "S(h)"), accepts_reduction=True, joined_inputs=(0,),
+                          fixed_inputs=(None, "I"), fixed_outputs=("I",))
+
+    def saved_bytes(self, node, local_in, local_out, elt):
+        return [(node.id + ":softmax", numel(local_in[0]) * 4)]  # fp32 softmax of the local logits
+
+    def call(self, node, args, ctx):
+        if node.in_layouts[0] == "S(h)":
+            return f"runtime.vocab_parallel_cross_entropy({args[0]}, {args[1]}, self.tp)"
+        return f'runtime.vocab_parallel_cross_entropy({args[0]}, {args[1]}, runtime.Group.single("tp"))'
