@@ -1,0 +1,68 @@
+"""specc runtime: what generated modules import to run tensor/sequence parallel."""
+
+from .activations import gelu, split, swiglu
+from .comm import CommCounter, CommRecord, all_gather_into_tensor, all_reduce, reduce_scatter_tensor
+from .cross_entropy import vocab_parallel_cross_entropy
+from .grads import finalize_model_grads, is_tp_partial_grad, mark_tp_partial_grad
+from .init import ParamInit, full_parameter, gather_full, init_parameters, tag_parameter
+from .layers import (
+    ColumnParallelLinear,
+    CoreAttention,
+    Dropout,
+    LayerNorm,
+    PositionEmbedding,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from .mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from .parallel_state import Group, ProcessGroups
+from .random import RNGTracker
+
+__all__ = [
+    "Group",
+    "ProcessGroups",
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "CommCounter",
+    "CommRecord",
+    "copy_to_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "PositionEmbedding",
+    "LayerNorm",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "CoreAttention",
+    "Dropout",
+    "gelu",
+    "swiglu",
+    "split",
+    "vocab_parallel_cross_entropy",
+    "ParamInit",
+    "tag_parameter",
+    "init_parameters",
+    "full_parameter",
+    "gather_full",
+    "RNGTracker",
+    "mark_tp_partial_grad",
+    "is_tp_partial_grad",
+    "finalize_model_grads",
+]

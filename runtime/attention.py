@@ -1,0 +1,126 @@
+"""Core attention: softmax(q k^T / sqrt(d)) v over LOCAL heads, with backends.
+
+Inputs are sequence-first [s, b, heads * head_dim]; head counts are per rank
+(already divided by the tensor-parallel size), so no communication happens here.
+Dropout runs on the "tensor-parallel" RNG stream: each rank owns different heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .random import RNGTracker
+
+_BACKENDS = ("sdpa", "unfused", "flash", "te")
+
+
+class CoreAttention(nn.Module):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        causal: bool = True,
+        dropout: float = 0.0,
+        backend: str = "sdpa",
+        rng_tracker: RNGTracker | None = None,
+    ):
+        super().__init__()
+        if backend not in _BACKENDS:
+            raise ValueError(f"attention backend must be one of {_BACKENDS}, got {backend!r}")
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.causal, self.dropout, self.backend = causal, dropout, backend
+        self.rng_tracker = rng_tracker
+        self._flash_attn_func = _import_flash_attn() if backend == "flash" else None
+        self.te_attention = self._build_te() if backend == "te" else None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s, b = q.shape[0], q.shape[1]
+        q4 = _heads(q, self.num_heads, self.head_dim, "q")
+        k4 = _heads(k, self.num_kv_heads, self.head_dim, "k")
+        v4 = _heads(v, self.num_kv_heads, self.head_dim, "v")
+        p = self.dropout if self.training else 0.0
+        fork = self.rng_tracker.fork("tensor-parallel") if p > 0 and self.rng_tracker else contextlib.nullcontext()
+        with fork:
+            if self.backend == "te":
+                return self.te_attention(q4, k4, v4)  # sbhd in, [s, b, nh * d] out
+            if self.backend == "flash":
+                out = self._flash_attn_func(q4.transpose(0, 1), k4.transpose(0, 1), v4.transpose(0, 1),
+                                            dropout_p=p, causal=self.causal)
+                return out.transpose(0, 1).reshape(s, b, self.num_heads * self.head_dim)
+            out = self._torch_attention(q4, k4, v4, p)  # [b, nh, s, d]
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+
+    def _torch_attention(self, q4, k4, v4, p: float) -> torch.Tensor:
+        # [s, b, n, d] -> [b, n, s, d]; each kv head serves num_heads/num_kv_heads
+        # consecutive query heads (repeat_interleave, as in HF Llama).
+        group = self.num_heads // self.num_kv_heads
+        q = q4.permute(1, 2, 0, 3)
+        k = k4.permute(1, 2, 0, 3).repeat_interleave(group, dim=1)
+        v = v4.permute(1, 2, 0, 3).repeat_interleave(group, dim=1)
+        if self.backend == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+        return self._unfused(q, k, v, p)
+
+    def _unfused(self, q, k, v, p: float) -> torch.Tensor:
+        # Megatron's local path: explicit scores, causal mask, fp32 softmax, dropout.
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
+        if self.causal:
+            sq, sk = scores.shape[-2], scores.shape[-1]
+            future = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        if p > 0:
+            probs = F.dropout(probs, p, training=True)
+        return torch.matmul(probs, v)
+
+    def _build_te(self) -> nn.Module:
+        te = _import_transformer_engine()
+        return te.DotProductAttention(
+            num_attention_heads=self.num_heads,
+            kv_channels=self.head_dim,
+            num_gqa_groups=self.num_kv_heads,
+            attention_dropout=self.dropout,
+            qkv_format="sbhd",
+            attn_mask_type="causal" if self.causal else "no_mask",
+        )
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"causal={self.causal}, dropout={self.dropout}, backend={self.backend}")
+
+
+def _heads(x: torch.Tensor, n: int, d: int, what: str) -> torch.Tensor:
+    if x.dim() != 3 or x.shape[-1] != n * d:
+        raise ValueError(f"{what} must be [s, b, {n}*{d}={n * d}], got {tuple(x.shape)}")
+    return x.reshape(x.shape[0], x.shape[1], n, d)
+
+
+def _import_flash_attn():
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError as e:
+        raise ImportError(
+            "CoreAttention(backend='flash') needs the flash-attn package (and a CUDA GPU), "
+            "which is not installed here; install flash-attn or use backend='sdpa'"
+        ) from e
+    return flash_attn_func
+
+
+def _import_transformer_engine():
+    try:
+        import transformer_engine.pytorch as te
+    except ImportError as e:
+        raise ImportError(
+            "CoreAttention(backend='te') needs NVIDIA TransformerEngine (transformer_engine.pytorch, "
+            "and a CUDA GPU), which is not installed here; install it or use backend='sdpa'"
+        ) from e
+    return te

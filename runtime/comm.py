@@ -1,0 +1,129 @@
+"""The only place the runtime issues collectives, so that they can be counted.
+
+Every function is a no-op (and is not counted) on a group of size 1, so a
+single-process run needs no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .parallel_state import Group
+
+_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+# torch 2.13 renames the "_into_tensor"/"_tensor" collectives to "_single" and
+# deprecates the old names; use the new ones where they exist.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    kind: str  # "all_reduce" | "all_gather" | "reduce_scatter"
+    group: str  # Group.name
+    bytes: int  # per rank, see CommCounter
+
+
+class CommCounter:
+    """Records every collective issued while it is active.
+
+    bytes per rank: all_reduce counts its input, all_gather its output (the gathered
+    tensor), reduce_scatter its input (the full tensor).
+
+    Active counters live on a process-wide stack guarded by a lock rather than in a
+    contextvar: autograd may run backward on its own threads (one per CUDA device),
+    which do not see the caller's contextvars, and backward collectives must count.
+    A counter is removed from the stack on exit, so nothing leaks between uses.
+    """
+
+    _active: list[CommCounter] = []
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+
+    def __enter__(self) -> CommCounter:
+        with CommCounter._lock:
+            CommCounter._active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with CommCounter._lock:
+            CommCounter._active.remove(self)
+
+    def totals(self) -> dict[str, tuple[int, int]]:
+        """kind -> (count, bytes per rank)."""
+        count: dict[str, int] = defaultdict(int)
+        nbytes: dict[str, int] = defaultdict(int)
+        for record in self.records:
+            count[record.kind] += 1
+            nbytes[record.kind] += record.bytes
+        return {kind: (count[kind], nbytes[kind]) for kind in count}
+
+    @classmethod
+    def _record(cls, kind: str, group: Group, tensor: torch.Tensor) -> None:
+        record = CommRecord(kind, group.name, tensor.numel() * tensor.element_size())
+        with cls._lock:
+            for counter in cls._active:
+                counter.records.append(record)
+
+
+def all_reduce(t: torch.Tensor, group: Group, async_op: bool = False, op: str = "sum"):
+    """In-place all-reduce of `t`; op is "sum" (default), "max" or "min"."""
+    if group.size == 1:
+        return None
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+    _check_contiguous(t, "all_reduce tensor")
+    CommCounter._record("all_reduce", group, t)
+    return dist.all_reduce(t, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]), group=group.group, async_op=async_op)
+
+
+def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
+    """Gather every rank's `inp` into `out`, concatenated along dim 0 in rank order."""
+    if group.size == 1:
+        _copy_if_distinct(out, inp)
+        return None
+    _check_sizes("all_gather", out, inp, out.numel() == inp.numel() * group.size, group)
+    _check_contiguous(out, "all_gather output")
+    _check_contiguous(inp, "all_gather input")
+    CommCounter._record("all_gather", group, out)
+    return _all_gather(out, inp, group=group.group, async_op=async_op)
+
+
+def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
+    """Sum `inp` over ranks and keep this rank's dim-0 chunk in `out`."""
+    if group.size == 1:
+        _copy_if_distinct(out, inp)
+        return None
+    _check_sizes("reduce_scatter", out, inp, inp.numel() == out.numel() * group.size, group)
+    _check_contiguous(out, "reduce_scatter output")
+    _check_contiguous(inp, "reduce_scatter input")
+    CommCounter._record("reduce_scatter", group, inp)
+    return _reduce_scatter(out, inp, group=group.group, async_op=async_op)
+
+
+def _copy_if_distinct(out: torch.Tensor, inp: torch.Tensor) -> None:
+    # With one rank the collective's result is the input itself.
+    if out.data_ptr() != inp.data_ptr():
+        with torch.no_grad():
+            out.copy_(inp.view_as(out))
+
+
+def _check_sizes(kind: str, out: torch.Tensor, inp: torch.Tensor, ok: bool, group: Group) -> None:
+    if not ok:
+        raise ValueError(
+            f"{kind} on group {group.name!r} of size {group.size}: output shape "
+            f"{tuple(out.shape)} does not match input shape {tuple(inp.shape)}"
+        )
+
+
+def _check_contiguous(t: torch.Tensor, what: str) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{what} must be contiguous")

@@ -1,0 +1,52 @@
+"""Gradient finalization after backward, before the optimizer step."""
+
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .parallel_state import Group, ProcessGroups
+
+_TP_PARTIAL_ATTR = "_specc_tp_partial_grad"
+
+
+def mark_tp_partial_grad(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """Tag a replicated parameter used on rank-divergent values (a norm weight in a
+    sequence-parallel region, a row-parallel bias added to S(s)): each TP rank then
+    holds only part of its gradient, which finalize_model_grads sums."""
+    setattr(param, _TP_PARTIAL_ATTR, True)
+    return param
+
+
+def is_tp_partial_grad(param: torch.nn.Parameter) -> bool:
+    return getattr(param, _TP_PARTIAL_ATTR, False)
+
+
+def finalize_model_grads(model: torch.nn.Module, pg: ProcessGroups) -> None:
+    _allreduce_tp_partial_grads(model, pg.tp)
+    # Data-parallel gradient reduction (DDP buckets / distributed optimizer)
+    # belongs here, after the tensor-parallel sums.
+
+
+def _allreduce_tp_partial_grads(model: torch.nn.Module, tp: Group) -> None:
+    """Sum the tagged parameters' gradients over TP in one flat buffer per dtype
+    (one collective in the usual single-dtype model)."""
+    if tp.size == 1:
+        return
+    params = [p for p in model.parameters() if p.requires_grad and is_tp_partial_grad(p)]
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for dtype in sorted(by_dtype, key=str):  # same order on every rank
+        group = by_dtype[dtype]
+        # A parameter with no gradient on this rank contributes zeros, so every
+        # rank reduces the same buffer size and none waits on a mismatch.
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, tp)
+        for p, reduced in zip(group, flat.split([g.numel() for g in grads])):
+            reduced = reduced.view_as(p)
+            if p.grad is None:
+                p.grad = reduced.clone()
+            else:
+                p.grad.copy_(reduced)

@@ -1,0 +1,157 @@
+"""Tensor-parallel-invariant initialization.
+
+Every parameter a runtime layer creates carries `_specc_init`, a ParamInit that
+says how to draw the FULL tensor and which slice of it this rank holds. The full
+tensor is drawn from a generator seeded by a stable hash of (seed, parameter
+name), so TP=4 starts from exactly the TP=1 model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from . import mappings
+from .parallel_state import Group
+
+_KINDS = ("normal", "ones", "zeros")
+
+
+@dataclass(frozen=True)
+class ParamInit:
+    kind: str  # "normal" | "ones" | "zeros"
+    std: float
+    full_shape: tuple[int, ...]
+    shard_dim: int | None  # None: replicated
+    segments: tuple[int, ...]  # full sizes along shard_dim, each sharded on its own
+    tp_rank: int
+    tp_size: int
+
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"init kind must be one of {_KINDS}, got {self.kind!r}")
+        if self.shard_dim is not None:
+            if sum(self.segments) != self.full_shape[self.shard_dim]:
+                raise ValueError(
+                    f"segments {list(self.segments)} do not sum to the full size "
+                    f"{self.full_shape[self.shard_dim]} of dim {self.shard_dim}"
+                )
+            for size in self.segments:
+                if size % self.tp_size != 0:
+                    raise ValueError(
+                        f"segment of size {size} is not divisible by the tensor-parallel size {self.tp_size}"
+                    )
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.shard_dim is None:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.shard_dim] //= self.tp_size
+        return tuple(shape)
+
+
+def tag_parameter(
+    p: torch.nn.Parameter,
+    kind: str,
+    *,
+    tp: Group | None = None,
+    std: float = 0.0,
+    full_shape=None,
+    shard_dim: int | None = None,
+    segments=None,
+) -> torch.nn.Parameter:
+    """Attach init metadata; full_shape defaults to p's shape (a replicated parameter)."""
+    tp = tp or Group.single("tp")
+    full_shape = tuple(full_shape if full_shape is not None else p.shape)
+    if shard_dim is not None and segments is None:
+        segments = (full_shape[shard_dim],)
+    meta = ParamInit(
+        kind=kind,
+        std=float(std),
+        full_shape=full_shape,
+        shard_dim=shard_dim,
+        segments=tuple(segments or ()),
+        tp_rank=tp.rank if shard_dim is not None else 0,
+        tp_size=tp.size if shard_dim is not None else 1,
+    )
+    if meta.local_shape != tuple(p.shape):
+        raise ValueError(f"parameter shape {tuple(p.shape)} does not match its local shape {meta.local_shape}")
+    p._specc_init = meta
+    return p
+
+
+def stable_seed(seed: int, name: str) -> int:
+    """A 63-bit seed from (seed, name) that is the same on every machine and run
+    (Python's hash() is salted per process)."""
+    digest = hashlib.sha256(f"{int(seed)}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def full_init_tensor(meta: ParamInit, seed: int, name: str) -> torch.Tensor:
+    """The full fp32 tensor a parameter starts from, identical at every TP size."""
+    if meta.kind == "ones":
+        return torch.ones(meta.full_shape)
+    if meta.kind == "zeros":
+        return torch.zeros(meta.full_shape)
+    generator = torch.Generator().manual_seed(stable_seed(seed, name))
+    return torch.randn(meta.full_shape, generator=generator) * meta.std
+
+
+def local_slice(full: torch.Tensor, meta: ParamInit) -> torch.Tensor:
+    """This rank's shard of a full tensor: each segment's rank-slice, concatenated."""
+    if meta.shard_dim is None:
+        return full
+    pieces = []
+    for segment in full.split(list(meta.segments), dim=meta.shard_dim):
+        pieces.append(segment.chunk(meta.tp_size, dim=meta.shard_dim)[meta.tp_rank])
+    return torch.cat(pieces, dim=meta.shard_dim)
+
+
+def init_parameters(model: torch.nn.Module, seed: int) -> None:
+    """Fill every parameter of `model` with this rank's slice of its full init tensor.
+
+    Names come from model.named_parameters(), which lists a shared (tied) parameter
+    once, under its first name, so it is drawn once.
+    """
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            meta = getattr(p, "_specc_init", None)
+            if meta is None:
+                raise ValueError(
+                    f"parameter {name!r} has no init metadata (_specc_init); create it with a "
+                    f"runtime layer or tag it with runtime.init.tag_parameter"
+                )
+            p.copy_(local_slice(full_init_tensor(meta, seed, name), meta))
+
+
+def gather_full(tensor: torch.Tensor, p: torch.nn.Parameter, tp: Group) -> torch.Tensor:
+    """All-gather `tensor` (p itself, or p.grad) from its shards to p's full shape."""
+    meta = _meta(p)
+    if meta.shard_dim is None:
+        return tensor.detach().clone()
+    if meta.tp_size != tp.size:
+        raise ValueError(f"parameter was sharded over {meta.tp_size} ranks, but the group has {tp.size}")
+    dim = meta.shard_dim
+    with torch.no_grad():
+        # Gather along dim 0 (what the collective concatenates): [t * local, ...].
+        shards = mappings.gather_dim0(tensor.detach().movedim(dim, 0).contiguous(), tp)
+        per_rank = shards.chunk(tp.size, dim=0)
+        local_sizes = [size // tp.size for size in meta.segments]
+        split = [piece.split(local_sizes, dim=0) for piece in per_rank]
+        segments = [torch.cat([split[r][i] for r in range(tp.size)], dim=0) for i in range(len(local_sizes))]
+        return torch.cat(segments, dim=0).movedim(0, dim).contiguous()
+
+
+def full_parameter(p: torch.nn.Parameter, group: Group) -> torch.Tensor:
+    """The full (unsharded) value of a possibly sharded parameter."""
+    return gather_full(p, p, group)
+
+
+def _meta(p: torch.nn.Parameter) -> ParamInit:
+    meta = getattr(p, "_specc_init", None)
+    if meta is None:
+        raise ValueError("parameter has no init metadata (_specc_init)")
+    return meta

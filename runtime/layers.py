@@ -1,0 +1,321 @@
+"""Tensor-parallel layers. Activations are sequence-first [s, b, h].
+
+Parameters are created at their LOCAL shard shape (uninitialized) and tagged with
+init metadata; runtime.init.init_parameters fills them TP-invariantly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .attention import CoreAttention
+from .init import tag_parameter
+from .mappings import gather_dim0
+from .parallel_state import Group
+from .random import RNGTracker
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "PositionEmbedding",
+    "LayerNorm",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "CoreAttention",
+    "Dropout",
+]
+
+_INPUT_MODES = ("none", "copy", "gather")
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d != 0:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {d}")
+    return n // d
+
+
+class _ColumnParallelLinearFn(torch.autograd.Function):
+    """y = x W^T + b with the input boundary folded in (Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication idea):
+
+    copy:   forward identity; backward all-reduces grad-input asynchronously while
+            the weight-gradient GEMM runs.
+    gather: forward all-gathers the [s/t, b, h] input on dim 0 but saves only the
+            local shard; backward re-gathers it (overlapped with the grad-input GEMM)
+            and reduce-scatters grad-input asynchronously during the wgrad GEMM.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tp, mode):
+        total = gather_dim0(x, tp) if mode == "gather" else x
+        ctx.save_for_backward(x, weight)
+        ctx.tp, ctx.mode, ctx.has_bias = tp, mode, bias is not None
+        out = torch.matmul(total, weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        tp, mode = ctx.tp, ctx.mode
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+
+        total, gather_work = x, None
+        if mode == "gather" and need_weight:
+            total = x.new_empty((x.shape[0] * tp.size, *x.shape[1:]))
+            gather_work = comm.all_gather_into_tensor(total, x.contiguous(), tp, async_op=True)
+
+        grad_input = grad_out.matmul(weight) if need_input else None
+        if gather_work is not None:
+            gather_work.wait()
+
+        reduce_work = None
+        if grad_input is not None and mode == "copy":
+            reduce_work = comm.all_reduce(grad_input, tp, async_op=True)
+        elif grad_input is not None and mode == "gather":
+            full_grad_input = grad_input
+            grad_input = full_grad_input.new_empty((x.shape[0], *full_grad_input.shape[1:]))
+            reduce_work = comm.reduce_scatter_tensor(grad_input, full_grad_input, tp, async_op=True)
+
+        grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = grad_out_2d.t().matmul(total.reshape(-1, total.shape[-1])) if need_weight else None
+        grad_bias = grad_out_2d.sum(dim=0) if ctx.has_bias and need_bias else None
+
+        if reduce_work is not None:
+            reduce_work.wait()
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """Weight [out/t, in] sharded on the output dim; output layout S(h).
+
+    `segments` are FULL output sizes (e.g. [q, k, v] or [gate, up]); each is sharded
+    on its own, so the local weight is [q/t | k/t | v/t] rather than a slice of the
+    fused slab. `weight` shares an existing parameter (tied output layer).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp: Group,
+        bias: bool = True,
+        segments=None,
+        input_mode: str = "none",
+        init_std: float = 0.02,
+        weight: nn.Parameter | None = None,
+    ):
+        super().__init__()
+        if input_mode not in _INPUT_MODES:
+            raise ValueError(f"input_mode must be one of {_INPUT_MODES}, got {input_mode!r}")
+        segments = tuple(int(s) for s in (segments if segments is not None else [out_features]))
+        if sum(segments) != out_features:
+            raise ValueError(f"segments {list(segments)} sum to {sum(segments)}, not out_features={out_features}")
+        for size in segments:
+            _divide(size, tp.size, f"output segment of size {size}")
+        self.in_features, self.out_features = in_features, out_features
+        self.tp, self.input_mode, self.segments = tp, input_mode, segments
+        local_out = out_features // tp.size
+
+        if weight is None:
+            self.weight = nn.Parameter(torch.empty(local_out, in_features))
+            tag_parameter(self.weight, "normal", tp=tp, std=init_std,
+                          full_shape=(out_features, in_features), shard_dim=0, segments=segments)
+        else:
+            self._check_shared_weight(weight, local_out)
+            self.weight = weight
+        if bias:
+            self.bias = nn.Parameter(torch.empty(local_out))
+            tag_parameter(self.bias, "zeros", tp=tp, full_shape=(out_features,), shard_dim=0, segments=segments)
+        else:
+            self.register_parameter("bias", None)
+
+    def _check_shared_weight(self, weight: nn.Parameter, local_out: int) -> None:
+        if tuple(weight.shape) != (local_out, self.in_features):
+            raise ValueError(
+                f"shared weight has shape {tuple(weight.shape)}, expected {(local_out, self.in_features)} "
+                f"(local shard of [{self.out_features}, {self.in_features}] at tp={self.tp.size})"
+            )
+        meta = getattr(weight, "_specc_init", None)
+        if meta is not None and (meta.shard_dim != 0 or meta.segments != self.segments):
+            raise ValueError(
+                f"shared weight is sharded on dim {meta.shard_dim} with segments {list(meta.segments)}, "
+                f"expected dim 0 with segments {list(self.segments)}"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mode = self.input_mode if self.tp.size > 1 else "none"
+        if mode == "none":
+            return F.linear(x, self.weight, self.bias)
+        return _ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.tp, mode)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, "
+                f"segments={list(self.segments)}, input_mode={self.input_mode}")
+
+
+class RowParallelLinear(nn.Module):
+    """Weight [out, in/t] sharded on the input dim; forward returns the partial
+    product (layout P). The bias is full-size and NOT added here: the generated code
+    adds it after the reduction boundary, so it is added once, not t times."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp: Group, bias: bool = True,
+                 init_std: float = 0.02):
+        super().__init__()
+        local_in = _divide(in_features, tp.size, "in_features")
+        self.in_features, self.out_features, self.tp = in_features, out_features, tp
+        self.weight = nn.Parameter(torch.empty(out_features, local_in))
+        tag_parameter(self.weight, "normal", tp=tp, std=init_std,
+                      full_shape=(out_features, in_features), shard_dim=1)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features))
+            tag_parameter(self.bias, "zeros")
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Weight [V/t, h]: rank r holds rows r*V/t .. (r+1)*V/t. forward(tokens [b, s])
+    returns [s, b, h] partial sums (P): ids outside this rank's rows give zeros."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: Group, init_std: float = 0.02):
+        super().__init__()
+        local = _divide(num_embeddings, tp.size, "num_embeddings (vocab size)")
+        self.num_embeddings, self.embedding_dim, self.tp = num_embeddings, embedding_dim, tp
+        self.vocab_start, self.vocab_end = tp.rank * local, (tp.rank + 1) * local
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim))
+        tag_parameter(self.weight, "normal", tp=tp, std=init_std,
+                      full_shape=(num_embeddings, embedding_dim), shard_dim=0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            out = F.embedding(tokens, self.weight)
+        else:
+            outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+            local_ids = (tokens - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return out.transpose(0, 1).contiguous()
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}"
+
+
+class PositionEmbedding(nn.Module):
+    """Learned absolute positions; forward(tokens [b, s]) -> [s, b, h] for positions 0..s-1."""
+
+    def __init__(self, max_positions: int, embedding_dim: int, *, init_std: float = 0.02):
+        super().__init__()
+        self.max_positions = max_positions
+        self.weight = nn.Parameter(torch.empty(max_positions, embedding_dim))
+        tag_parameter(self.weight, "normal", std=init_std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        if s > self.max_positions:
+            raise ValueError(f"sequence length {s} exceeds max_positions={self.max_positions}")
+        # A broadcast view over the batch: the caller adds it to the token embedding.
+        return self.weight[:s].unsqueeze(1).expand(s, b, self.weight.shape[1])
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = tag_parameter(nn.Parameter(torch.empty(hidden_size)), "ones")
+        self.bias = tag_parameter(nn.Parameter(torch.empty(hidden_size)), "zeros")
+        with torch.no_grad():  # usable before init_parameters, e.g. in tests
+            self.weight.fill_(1.0)
+            self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics for low-precision inputs.
+        y = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = tag_parameter(nn.Parameter(torch.empty(hidden_size)), "ones")
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, rotate-half (non-interleaved) convention.
+
+    forward(x [s, b, n*d]) rotates every head of size head_dim at positions 0..s-1.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        if head_dim % 2 != 0:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+        self.head_dim, self.base = head_dim, base
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self._cache: tuple | None = None  # (seq_len, device, dtype, cos, sin)
+
+    def _cos_sin(self, s: int, device, dtype):
+        cache = self._cache
+        if cache is None or cache[0] < s or cache[1] != device or cache[2] != dtype:
+            positions = torch.arange(s, device=device, dtype=torch.float32)
+            freqs = torch.outer(positions, self.inv_freq.to(device))
+            angles = torch.cat([freqs, freqs], dim=-1)  # [s, d]
+            cache = (s, device, dtype, angles.cos().to(dtype), angles.sin().to(dtype))
+            self._cache = cache
+        return cache[3][:s], cache[4][:s]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, width = x.shape
+        if width % self.head_dim != 0:
+            raise ValueError(f"last dim {width} is not a multiple of head_dim {self.head_dim}")
+        heads = x.reshape(s, b, width // self.head_dim, self.head_dim)
+        cos, sin = self._cos_sin(s, x.device, x.dtype)
+        cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+        first, second = heads.chunk(2, dim=-1)
+        rotated = torch.cat([-second, first], dim=-1)
+        return (heads * cos + rotated * sin).reshape(s, b, width)
+
+
+class Dropout(nn.Module):
+    """Dropout on a named RNG stream: "default" in replicated regions (the same mask
+    on every TP rank), "tensor-parallel" in sharded regions (a different mask per
+    rank). Without a tracker it uses torch's default generator."""
+
+    _STREAMS = ("default", "tensor-parallel")
+
+    def __init__(self, p: float, *, rng_tracker: RNGTracker | None = None, stream: str = "default"):
+        super().__init__()
+        if stream not in self._STREAMS:
+            raise ValueError(f"dropout stream must be one of {self._STREAMS}, got {stream!r}")
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p, self.rng_tracker, self.stream = p, rng_tracker, stream
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.rng_tracker is None:
+            return F.dropout(x, self.p, training=True)
+        with self.rng_tracker.fork(self.stream):
+            return F.dropout(x, self.p, training=True)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, stream={self.stream}"

@@ -1,0 +1,200 @@
+"""Layout boundaries as autograd functions (see DESIGN.md, "Layouts and boundaries").
+
+Each wrapper takes the Group explicitly and is the identity when group.size == 1.
+Collectives never run in place on their argument: an autograd input or gradient
+may be shared with another branch of the graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .parallel_state import Group
+
+# ---------------------------------------------------------------------------
+# Tensor-level helpers (no autograd); also used by layers, init and cross-entropy.
+
+
+def split_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """This rank's chunk of dim 0 (a copy, so later in-place ops are safe)."""
+    _check_divisible(x.shape[0], group, "dim 0")
+    return x.chunk(group.size, dim=0)[group.rank].clone()
+
+
+def gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
+    comm.all_gather_into_tensor(out, x.contiguous(), group)
+    return out
+
+
+def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+    _check_divisible(x.shape[0], group, "dim 0")
+    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
+    comm.reduce_scatter_tensor(out, x.contiguous(), group)
+    return out
+
+
+def all_reduce_copy(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    comm.all_reduce(out, group)
+    return out
+
+
+def split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    _check_divisible(x.shape[-1], group, "the last dim")
+    return x.chunk(group.size, dim=-1)[group.rank].contiguous()
+
+
+def gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    # Collectives concatenate along dim 0: gather to [t, ..., h], then move the
+    # rank axis next to the last dim and merge: [..., t * h].
+    stacked = x.new_empty((group.size, *x.shape))
+    comm.all_gather_into_tensor(stacked, x.contiguous(), group)
+    return stacked.movedim(0, -2).reshape(*x.shape[:-1], group.size * x.shape[-1])
+
+
+def _check_divisible(n: int, group: Group, what: str) -> None:
+    if n % group.size != 0:
+        raise ValueError(
+            f"{what} of size {n} is not divisible by the {group.name!r} group size {group.size}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Autograd functions; the Group argument gets no gradient.
+
+
+class _CopyToTensorModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_copy(grad, ctx.group), None
+
+
+class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_copy(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tensor_parallel_output_grad):
+        ctx.group = group
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.tensor_parallel_output_grad:
+            return reduce_scatter_dim0(grad, ctx.group), None, None
+        return split_dim0(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_dim0(grad, ctx.group), None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_dim0(grad, ctx.group), None
+
+
+class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_last(grad, ctx.group), None
+
+
+class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_last(grad, ctx.group), None
+
+
+# ---------------------------------------------------------------------------
+# Public wrappers (Megatron's names).
+
+
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """I -> R: forward identity, backward all-reduce."""
+    if group.size == 1:
+        return x
+    return _CopyToTensorModelParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """P -> I: forward all-reduce, backward identity."""
+    if group.size == 1:
+        return x
+    return _ReduceFromTensorModelParallelRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: Group, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
+    """S(s) -> R (backward reduce-scatter), or S(s) -> I when
+    tensor_parallel_output_grad is False (backward split)."""
+    if group.size == 1:
+        return x
+    return _GatherFromSequenceParallelRegion.apply(x, group, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """P -> S(s): forward reduce-scatter dim 0, backward all-gather dim 0."""
+    if group.size == 1:
+        return x
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """I -> S(s): forward keep this rank's dim-0 chunk, backward all-gather dim 0."""
+    if group.size == 1:
+        return x
+    return _ScatterToSequenceParallelRegion.apply(x, group)
+
+
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """S(h) -> I: forward all-gather the last dim, backward split the last dim."""
+    if group.size == 1:
+        return x
+    return _GatherFromTensorModelParallelRegion.apply(x, group)
+
+
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """I -> S(h): forward split the last dim, backward all-gather the last dim."""
+    if group.size == 1:
+        return x
+    return _ScatterToTensorModelParallelRegion.apply(x, group)

@@ -1,0 +1,141 @@
+"""Process groups, held in one object that is passed explicitly (no module globals).
+
+Rank order follows Megatron: tensor-parallel ranks are innermost (adjacent global
+ranks, which share a node's fast links), then context, then data, then pipeline:
+
+    global_rank = tp_r + tp * (cp_r + cp * (dp_r + dp * pp_r))
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+# Axis order from innermost to outermost; it fixes the rank layout above.
+_AXES = ("tp", "cp", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One parallel axis as seen by this rank.
+
+    `group` is None when size == 1: every collective on such a group is a no-op,
+    so single-process runs need no torch.distributed at all.
+    """
+
+    size: int
+    rank: int
+    group: Any
+    ranks: tuple[int, ...]
+    name: str
+
+    @classmethod
+    def single(cls, name: str) -> Group:
+        return cls(size=1, rank=0, group=None, ranks=(0,), name=name)
+
+
+@dataclass
+class ProcessGroups:
+    tp: Group
+    cp: Group
+    dp: Group
+    pp: Group
+    world_size: int
+    rank: int
+    # Groups this object created with dist.new_group, destroyed by destroy().
+    _created: list = field(default_factory=list, repr=False, compare=False)
+
+    @classmethod
+    def single(cls) -> ProcessGroups:
+        return cls(
+            tp=Group.single("tp"),
+            cp=Group.single("cp"),
+            dp=Group.single("dp"),
+            pp=Group.single("pp"),
+            world_size=1,
+            rank=0,
+        )
+
+    @classmethod
+    def initialize(cls, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None) -> ProcessGroups:
+        """Build every group of the (tp, cp, dp, pp) grid; collective over the world.
+
+        Every rank calls dist.new_group for every group (of size > 1) in the same
+        order, as torch.distributed requires, and keeps the ones it belongs to.
+        Size-1 axes get no process group: their collectives are no-ops.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "ProcessGroups.initialize needs torch.distributed to be initialized "
+                "(call torch.distributed.init_process_group first), or use ProcessGroups.single()"
+            )
+        world, rank = dist.get_world_size(), dist.get_rank()
+        sizes = _axis_sizes(world, tp=tp, cp=cp, pp=pp, dp=dp)
+        coords = _coords(rank, sizes)
+        groups: dict[str, Group] = {}
+        created = []
+        for axis in _AXES:
+            for ranks in _axis_rank_lists(axis, sizes):
+                handle = dist.new_group(list(ranks)) if sizes[axis] > 1 else None
+                if handle is not None:
+                    created.append(handle)
+                if rank in ranks:
+                    groups[axis] = Group(
+                        size=sizes[axis], rank=coords[axis], group=handle, ranks=ranks, name=axis
+                    )
+        return cls(**groups, world_size=world, rank=rank, _created=created)
+
+    def destroy(self) -> None:
+        """Destroy the groups initialize() created; safe to call twice."""
+        while self._created:
+            dist.destroy_process_group(self._created.pop())
+
+
+def _axis_sizes(world: int, *, tp: int, cp: int, pp: int, dp: int | None) -> dict[str, int]:
+    for name, value in (("tp", tp), ("cp", cp), ("pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} size must be a positive integer, got {value!r}")
+    model = tp * cp * pp
+    if dp is None:
+        if world % model != 0:
+            raise ValueError(
+                f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp} = {model}"
+            )
+        dp = world // model
+    elif not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp size must be a positive integer, got {dp!r}")
+    if model * dp != world:
+        raise ValueError(
+            f"tp*cp*dp*pp = {tp}*{cp}*{dp}*{pp} = {model * dp} does not equal the world size {world}"
+        )
+    return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+
+
+def _coords(rank: int, sizes: dict[str, int]) -> dict[str, int]:
+    coords = {}
+    for axis in _AXES:
+        coords[axis] = rank % sizes[axis]
+        rank //= sizes[axis]
+    return coords
+
+
+def _global_rank(coords: dict[str, int], sizes: dict[str, int]) -> int:
+    rank = 0
+    for axis in reversed(_AXES):
+        rank = rank * sizes[axis] + coords[axis]
+    return rank
+
+
+def _axis_rank_lists(axis: str, sizes: dict[str, int]) -> list[tuple[int, ...]]:
+    """All groups along `axis`: one per combination of the other axes' coordinates,
+    in a deterministic order (every rank must create groups in the same order)."""
+    others = [a for a in _AXES if a != axis]
+    result = []
+    for values in itertools.product(*(range(sizes[a]) for a in reversed(others))):
+        fixed = dict(zip(reversed(others), values))
+        ranks = tuple(_global_rank({**fixed, axis: i}, sizes) for i in range(sizes[axis]))
+        result.append(ranks)
+    return sorted(result)

@@ -1,0 +1,69 @@
+"""Named random streams (Megatron's RNG tracker).
+
+Dropout in a replicated region must draw the same mask on every tensor-parallel
+rank ("default" stream); dropout on sharded values (attention heads) must differ
+per rank ("tensor-parallel" stream). Torch's dropout kernels only read the
+default generator, so fork() swaps a stream's state into it and back out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+# Megatron's offset for the tensor-parallel stream.
+_TP_SEED_OFFSET = 2718
+
+
+class RNGTracker:
+    def __init__(self, seed: int, tp_rank: int):
+        # CUDA kernels read the CUDA generator, so streams carry its state too when
+        # CUDA is present; on CPU-only machines a stream is the CPU state alone.
+        self._cuda = torch.cuda.is_available()
+        self._states: dict[str, dict[str, torch.Tensor]] = {}
+        self._active: set[str] = set()
+        self.add("default", seed)
+        self.add("tensor-parallel", seed + _TP_SEED_OFFSET + tp_rank)
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self._states:
+            raise ValueError(f"RNG stream {name!r} already exists")
+        state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
+        if self._cuda:
+            state["cuda"] = torch.Generator(device="cuda").manual_seed(seed).get_state()
+        self._states[name] = state
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "tensor-parallel"):
+        """Make stream `name` torch's active generator inside the block; the stream
+        advances, and the previous generator state is restored on exit."""
+        if name not in self._states:
+            raise KeyError(f"unknown RNG stream {name!r}; known: {sorted(self._states)}")
+        if name in self._active:
+            raise RuntimeError(f"RNG stream {name!r} is already forked (nested fork of the same stream)")
+        saved = self._swap_in(self._states[name])
+        self._active.add(name)
+        try:
+            yield
+        finally:
+            self._active.discard(name)
+            self._states[name] = self._swap_in(saved)
+
+    def get_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """A copy of every stream's state, for checkpoints."""
+        return {name: {k: v.clone() for k, v in state.items()} for name, state in self._states.items()}
+
+    def set_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        if self._active:
+            raise RuntimeError("cannot set RNG states while a stream is forked")
+        self._states = {name: {k: v.clone() for k, v in state.items()} for name, state in states.items()}
+
+    def _swap_in(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Install `state` as torch's current generator state; return the one replaced."""
+        previous = {"cpu": torch.get_rng_state()}
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state:
+            previous["cuda"] = torch.cuda.get_rng_state()
+            torch.cuda.set_rng_state(state["cuda"])
+        return previous
