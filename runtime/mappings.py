@@ -47,10 +47,9 @@ def split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
-    # Collectives concatenate along dim 0: gather to [t, ..., h], then move the
-    # rank axis next to the last dim and merge: [..., t * h].
-    stacked = x.new_empty((group.size, *x.shape))
-    comm.all_gather_into_tensor(stacked, x.contiguous(), group)
+    # Collectives concatenate along dim 0: gather to [t * s, ...], view it as
+    # [t, s, ..., h], move the rank axis next to the last dim and merge: [s, ..., t * h].
+    stacked = gather_dim0(x, group).view(group.size, *x.shape)
     return stacked.movedim(0, -2).reshape(*x.shape[:-1], group.size * x.shape[-1])
 
 
