@@ -231,13 +231,14 @@ class _Builder:
             raise SpecError(raw.value_loc("op"), f"unknown op '{op_name}'", did_you_mean(op_name, SPEC_OPS))
         kind = SPEC_OPS[op_name]
         impl = self._str(raw, "impl") if "impl" in raw else "auto"
+        locs = {"impl": raw.value_loc("impl")} if "impl" in raw else {}
         if impl not in IMPLS:
             raise SpecError(raw.value_loc("impl"), f"unknown impl '{impl}'", did_you_mean(impl, IMPLS))
         if impl != "auto" and impl not in kind.impls:
             raise SpecError(raw.value_loc("impl"), f"op '{op_name}' has no '{impl}' implementation",
                             "available: " + ", ".join(("auto",) + kind.impls))
         known = {a.name: a for a in kind.attrs}
-        attrs, locs = {}, {}
+        attrs = {}
         for key in raw:
             if key in LEAF_RESERVED:
                 continue

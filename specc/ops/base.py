@@ -56,6 +56,7 @@ class Ctx:
     tp: int
     sp: bool
     home: str  # layout of activations between layers: S(s) with sequence parallelism, else I
+    demand: dict = field(default_factory=dict)  # value id -> layout its consumers want
 
 
 class OpKind:

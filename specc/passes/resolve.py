@@ -1,0 +1,48 @@
+"""Backend resolution: each op's implementation, and why it was chosen."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from ..errors import Loc, SpecError
+from ..ops import OPS
+
+PACKAGES = {"te": "transformer_engine", "flash": "flash_attn"}
+INSTALL = {"te": "pip install 'specc[te]' (transformer-engine[pytorch], needs CUDA)",
+           "flash": "pip install 'specc[flash]' (flash-attn, needs CUDA)"}
+
+
+def available(backend: str) -> bool:
+    """Is a backend's package installed? Checked without importing it (imports are slow and
+    need CUDA)."""
+    pkg = PACKAGES.get(backend)
+    return pkg is None or importlib.util.find_spec(pkg) is not None
+
+
+def resolve(graph, settings, have=available) -> None:
+    for op in graph.iter_ops():
+        kind = OPS[op.kind]
+        requested = op.impl if op.impl not in ("", "auto") else settings.backend
+        pinned = op.impl not in ("", "auto")
+        where = op.attr_locs.get("impl", op.loc) if pinned else Loc("--backend")
+        op.impl, op.impl_reason = _choose(kind, requested, pinned, where, op.id, have)
+
+
+def _choose(kind, requested: str, pinned: bool, where, op_id: str, have):
+    source = "spec" if pinned else "--backend"
+    if requested == "auto":
+        for backend in ("te", "flash"):
+            if backend in kind.impls and have(backend):
+                return backend, f"auto: {PACKAGES[backend]} is installed"
+        if any(b in kind.impls for b in PACKAGES):
+            missing = " and ".join(PACKAGES[b] for b in PACKAGES if b in kind.impls)
+            return "native", f"auto: {missing} not installed"
+        return "native", "auto: only a native implementation"
+    if requested not in kind.impls:
+        if pinned:
+            raise SpecError(where, f"{op_id}: op '{kind.name}' has no '{requested}' implementation")
+        return "native", f"--backend {requested}: no {requested} implementation of {kind.name}"
+    if not have(requested):
+        raise SpecError(where, f"{op_id}: implementation '{requested}' was asked for but {PACKAGES[requested]} is not installed",
+                        INSTALL[requested])
+    return requested, f"{source}: {requested}"
