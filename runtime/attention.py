@@ -77,7 +77,7 @@ class CoreAttention(nn.Module):
             sq, sk = scores.shape[-2], scores.shape[-1]
             future = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
             scores = scores.masked_fill(future, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        probs = torch.softmax(scores.to(_at_least_fp32(scores.dtype)), dim=-1).to(q.dtype)
         if p > 0:
             probs = F.dropout(probs, p, training=True)
         return torch.matmul(probs, v)
@@ -96,6 +96,10 @@ class CoreAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"causal={self.causal}, dropout={self.dropout}, backend={self.backend}")
+
+
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _heads(x: torch.Tensor, n: int, d: int, what: str) -> torch.Tensor:

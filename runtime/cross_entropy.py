@@ -21,7 +21,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = tp.rank * local_vocab
         target = labels.t()  # [b, s] -> [s, b], to match sequence-first logits
 
-        shifted = logits.float()
+        shifted = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (fp64 stays)
         row_max = shifted.max(dim=-1).values.contiguous()
         comm.all_reduce(row_max, tp, op="max")
         shifted = shifted - row_max.unsqueeze(-1)
@@ -53,7 +53,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp: Group) -> torch.Tensor:
     """logits [s, b, V/t] (rank r holds vocab ids r*V/t ..), labels [b, s] long
-    -> per-token loss [b, s] in fp32. Equals F.cross_entropy on the gathered logits."""
+    -> per-token loss [b, s] in fp32 (fp64 for fp64 logits). Equals F.cross_entropy on the gathered logits."""
     if logits.dim() != 3 or labels.dim() != 2 or tuple(labels.shape) != (logits.shape[1], logits.shape[0]):
         raise ValueError(
             f"expected logits [s, b, V/t] and labels [b, s]; got logits {tuple(logits.shape)} "

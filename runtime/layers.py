@@ -32,6 +32,10 @@ __all__ = [
 _INPUT_MODES = ("none", "copy", "gather")
 
 
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _divide(n: int, d: int, what: str) -> int:
     if n % d != 0:
         raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {d}")
@@ -238,8 +242,9 @@ class LayerNorm(nn.Module):
             self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics for low-precision inputs.
-        y = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), self.bias.float(), self.eps)
+        # Statistics in (at least) fp32 for low-precision inputs.
+        dtype = _at_least_fp32(x.dtype)
+        y = F.layer_norm(x.to(dtype), self.weight.shape, self.weight.to(dtype), self.bias.to(dtype), self.eps)
         return y.to(x.dtype)
 
 
@@ -252,9 +257,9 @@ class RMSNorm(nn.Module):
             self.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        xf = x.to(_at_least_fp32(x.dtype))
+        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(xf.dtype)).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
