@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import SpecError
 from ..frontend.model import Leaf, Ref
-from ..ops import OPS
+from ..ops import OPS, Ctx
 from .graph import Graph, Op, Value
 
 _INPUT_DTYPES = {"int64": "int64", "int32": "int32", "float32": "float32", "bfloat16": "act", "float16": "act"}
@@ -12,11 +12,14 @@ _INPUT_DTYPES = {"int64": "int64", "int32": "int32", "float32": "float32", "bflo
 
 def build_graph(spec) -> Graph:
     g = Graph(spec)
+    s = spec.settings
+    g.ctx = Ctx(tp=s.tp, sp=s.sp, home="S(s)" if s.sp else "I")
     args = []
     for inp in spec.inputs:
         args.append(g.add_value(Value(inp.name, inp.name, inp.shape, _INPUT_DTYPES[inp.dtype], None)).id)
     g.inputs = list(args)
     g.outputs = _instantiate(g, spec.root, "", args)
+    g.calls[""] = (list(g.inputs), list(g.outputs))
     _resolve_ties(g)
     return g
 
@@ -46,11 +49,18 @@ def _eval(g: Graph, m, scope: str, index: int, e, env: dict, targets: list) -> l
     sub = m.submodules[e.name]
     if isinstance(sub, Ref):
         sub_scope = f"{prefix}{sub.name}"
+        g.call_names[sub_scope] = [t or f"{sub.name}_out" for t in targets]
         if sub.repeat is None:
-            return _instantiate(g, sub.module, sub_scope, args)
+            outs = _instantiate(g, sub.module, sub_scope, args)
+            g.calls[sub_scope] = (list(args), list(outs))
+            return outs
         g.repeats[sub_scope] = sub.repeat
+        first = list(args)
         for i in range(sub.repeat):
-            args = _instantiate(g, sub.module, f"{sub_scope}.{i}", args)
+            outs = _instantiate(g, sub.module, f"{sub_scope}.{i}", args)
+            g.calls[f"{sub_scope}.{i}"] = (list(args), list(outs))
+            args = outs
+        g.calls[sub_scope] = (first, list(args))
         return args
     assert isinstance(sub, Leaf)
     return _leaf(g, m, scope, index, e, sub.op, sub.attrs, f"{prefix}{sub.name}", sub.name, args, targets, sub.impl,
@@ -64,6 +74,7 @@ def _leaf(g, m, scope, index, e, kind_name, attrs, base_id, attr_name, args, tar
     def fail(msg):
         raise SpecError(e.loc, f"{op_id}: {msg}")
 
+    kind.check(attrs, locs or {}, g.ctx)  # size rules first: they name the attribute that breaks them
     shapes = [g.values[a].shape for a in args]
     out_shapes = kind.out_shapes(attrs, shapes, fail)
     names = [t if t else f"{(attr_name or kind_name)}_out" for t in targets]

@@ -73,6 +73,16 @@ class Graph:
         self.outputs: list[str] = []
         self.scopes: dict[str, str] = {"": spec.root}  # scope path -> module name
         self.repeats: dict[str, int] = {}  # scope of a repeated submodule -> count
+        self.calls: dict[str, tuple] = {}  # module instance scope -> (argument value ids, returned value ids)
+        self.call_names: dict[str, list] = {}  # module instance scope -> the caller's names for its results
+
+    def rebind(self, old: str, new: str, scope: str) -> None:
+        """A value converted in `scope` replaces the original where it crosses module calls: as a
+        return value of the calls that contain `scope`, as an argument of the others."""
+        for callee, (args, outs) in self.calls.items():
+            inside = callee == "" or scope == callee or scope.startswith(callee + ".")
+            target = outs if inside else args
+            target[:] = [new if v == old else v for v in target]
 
     def add_value(self, value: Value) -> Value:
         self.values[value.id] = value

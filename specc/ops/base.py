@@ -87,9 +87,14 @@ class OpKind:
     def rule(self, attrs: dict, ctx: Ctx) -> LayoutRule:
         return LayoutRule(allowed=("I", "R", "S(s)", "S(h)"), accepts_reduction=not self.nonlinear)
 
+    # -- collectives the implementation issues itself: ([(kind, bytes)], [(kind, bytes)]) ----
+    def collectives(self, node, full_in: list, elt: int, tp: int):
+        return [], []
+
     # -- activation memory: bytes kept for backward on one rank --------------------------
-    def saved_bytes(self, node, local_in: list, local_out: list, elt: int) -> int:
-        return 0
+    def saved_bytes(self, node, local_in: list, local_out: list, elt: int) -> list:
+        """[(key, bytes)] kept for backward; a key names a tensor, so a tensor two ops keep counts once."""
+        return []
 
     # -- emission --------------------------------------------------------------------------
     def constructor(self, node, ctx: "EmitCtx") -> str | None:
@@ -102,10 +107,9 @@ class OpKind:
 
 @dataclass
 class EmitCtx:
-    """What emission needs beyond the node: the module's `self.` name and settings."""
+    """What emission needs beyond the node."""
 
-    tp_expr: str = "self.tp"
-    backend_notes: list = field(default_factory=list)
+    tp: int = 1
 
 
 def need_divisible(value: int, by: int, what: str, loc: Loc, hint: str = "") -> None:

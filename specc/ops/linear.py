@@ -65,6 +65,17 @@ class Linear(OpKind):
             return LayoutRule(fixed_inputs=("R",), fixed_outputs=("S(h)",))
         return LayoutRule(fixed_inputs=("S(h)",), fixed_outputs=("P",))
 
+    def collectives(self, node, full_in, elt, tp):
+        nbytes = numel(full_in[0]) * elt
+        fwd, bwd = [], []
+        for a in node.absorbed:
+            if a.mode == "gather":  # all-gather in; backward re-gathers the saved shard, reduce-scatters dgrad
+                fwd.append(("all_gather", nbytes))
+                bwd += [("all_gather", nbytes), ("reduce_scatter", nbytes)]
+            elif a.mode == "copy":  # backward all-reduces dgrad, overlapped with the wgrad GEMM
+                bwd.append(("all_reduce", nbytes))
+        return fwd, bwd
+
     def saved_bytes(self, node, local_in, local_out, elt):
         # the weight gradient needs the input; an absorbed sequence gather keeps only the shard
         return [(node.inputs[0], numel(local_in[0]) * elt)]

@@ -21,6 +21,13 @@ class CrossEntropy(OpKind):
         return LayoutRule(allowed=("I", "S(h)"), accepts_reduction=True, joined_inputs=(0,),
                           fixed_inputs=(None, "I"), fixed_outputs=("I",))
 
+    def collectives(self, node, full_in, elt, tp):
+        if tp == 1 or node.in_layouts[0] != "S(h)":
+            return [], []
+        s, b = full_in[0][0], full_in[0][1]
+        # max of the logits, then the predicted logit and the sum of exponentials, per token in fp32
+        return [("all_reduce", s * b * 4)] * 3, []
+
     def saved_bytes(self, node, local_in, local_out, elt):
         return [(node.id + ":softmax", numel(local_in[0]) * 4)]  # fp32 softmax of the local logits
 

@@ -21,8 +21,6 @@ def parallelize(g: Graph, settings) -> None:
     ctx = Ctx(tp=settings.tp, sp=settings.sp, home=SS if settings.sp else I)
     for vid in g.inputs:
         g.values[vid].layout = I
-    for op in g.iter_ops():  # size rules first: they name the spec attribute that breaks them
-        OPS[op.kind].check(op.attrs, op.attr_locs, ctx)
     ctx.demand = _demands(g, ctx)
     converted: dict = {}
     for op_id in list(g.order):
@@ -98,6 +96,7 @@ def _convert_shared_outputs(g: Graph, op: Op, ctx: Ctx, converted: dict) -> None
             for i, v in enumerate(user.inputs):
                 if v == vid:
                     g.replace_input(user, i, current)
+        g.rebind(vid, current, op.scope)
 
 
 def _next_op(g: Graph, op: Op) -> str | None:

@@ -1,0 +1,238 @@
+"""The `specc` command line. Pure text in, text out: nothing here imports torch, except the
+commands that run models (verify, train), which import the runtime when they start."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from . import __version__
+from .errors import Loc, SpecError
+
+MEGATRON_CONFIG_FLAGS = {  # Megatron's model-size flags, applied as config overrides
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
+    "seq_length": "--seq-length", "ffn_hidden_size": "--ffn-hidden-size",
+}
+
+
+def spec_flags(p: argparse.ArgumentParser, sp_default=False) -> None:
+    """Flags every command that compiles a spec accepts (Megatron's names, with short aliases)."""
+    g = p.add_argument_group("parallel settings")
+    g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel size (default 1)")
+    g.add_argument("--sp", "--sequence-parallel", dest="sp", action="store_true", default=sp_default,
+                   help="sequence parallelism in the regions between tensor-parallel GEMMs")
+    g.add_argument("--backend", choices=("auto", "native", "te"), default="auto",
+                   help="implementation for ops that say impl: auto (default auto: TransformerEngine where installed)")
+    g.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="micro-batch size for sizes in the plan")
+    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="activation/parameter dtype for bytes")
+    g.add_argument("--no-fuse", dest="fuse", action="store_false",
+                   help="keep every boundary as its own call (no absorption into GEMMs)")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value (or a dotted path in the spec); repeatable")
+    for key, flag in MEGATRON_CONFIG_FLAGS.items():
+        g.add_argument(flag, dest=f"cfg_{key}", type=int, default=None, metavar="N", help=argparse.SUPPRESS)
+
+
+def settings_from(args):
+    from .frontend.model import Settings
+
+    if args.tp < 1:
+        raise SpecError(Loc("--tensor-model-parallel-size"), f"must be at least 1, got {args.tp}")
+    if args.micro_batch_size < 1:
+        raise SpecError(Loc("--micro-batch-size"), f"must be at least 1, got {args.micro_batch_size}")
+    return Settings(tp=args.tp, sp=args.sp and args.tp > 1, backend=args.backend,
+                    micro_batch_size=args.micro_batch_size, dtype=args.dtype, fuse=args.fuse)
+
+
+def overrides_from(args) -> list:
+    import yaml
+
+    out = []
+    for item in args.overrides:
+        loc = Loc(f"--set {item}")
+        if "=" not in item:
+            raise SpecError(loc, "expected KEY=VALUE", "e.g. --set hidden_size=2048")
+        key, text = item.split("=", 1)
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        if isinstance(value, (dict, list)) or value is None:
+            raise SpecError(loc, f"value '{text}' must be a number, boolean or string")
+        out.append((key.strip(), value, loc))
+    for key, flag in MEGATRON_CONFIG_FLAGS.items():
+        value = getattr(args, f"cfg_{key}", None)
+        if value is not None:
+            out.append((key, value, Loc(f"{flag} {value}")))
+    return out
+
+
+def compile_args(args):
+    """(spec, graph) for a SPEC argument and the common flags."""
+    from .pipeline import load_and_compile
+
+    return load_and_compile(args.spec, settings_from(args), overrides_from(args))
+
+
+def command_line(args) -> str:
+    """The compile command that reproduces a result, for headers."""
+    parts = ["specc compile", os.path.relpath(args.spec) if not os.path.isabs(args.spec) else args.spec]
+    if args.tp != 1:
+        parts.append(f"--tp {args.tp}")
+    if args.sp and args.tp > 1:
+        parts.append("--sp")
+    if args.backend != "auto":
+        parts.append(f"--backend {args.backend}")
+    if args.micro_batch_size != 1:
+        parts.append(f"--micro-batch-size {args.micro_batch_size}")
+    if args.dtype != "bf16":
+        parts.append(f"--dtype {args.dtype}")
+    if not args.fuse:
+        parts.append("--no-fuse")
+    parts += [f"--set {shlex.quote(o)}" for o in args.overrides]
+    for key, flag in MEGATRON_CONFIG_FLAGS.items():
+        if getattr(args, f"cfg_{key}", None) is not None:
+            parts.append(f"{flag} {getattr(args, f'cfg_{key}')}")
+    return " ".join(p.replace(os.sep, "/") for p in parts)
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+def cmd_validate(args) -> int:
+    from .summary import summarize
+
+    failed = 0
+    for path in args.specs:
+        args.spec = path
+        try:
+            _, graph = compile_args(args)
+        except SpecError as e:
+            print(e.format(), file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{path}: ok: {summarize(graph)}")
+    return 2 if failed else 0
+
+
+def cmd_schema(args) -> int:
+    from .schema import schema_text
+
+    sys.stdout.write(schema_text())
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .plan import build_plan, plan_json, plan_text
+
+    _, graph = compile_args(args)
+    plan = build_plan(graph)
+    sys.stdout.write(plan_json(plan) if args.json else plan_text(plan))
+    return 0
+
+
+def cmd_graph(args) -> int:
+    from .graphviz import to_dot, write_outputs
+
+    _, graph = compile_args(args)
+    written = write_outputs(to_dot(graph), args.output)
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_diff(args) -> int:
+    from .plan.diff import diff_plans, load_side
+
+    a = load_side(args.a, args.a_flags)
+    b = load_side(args.b, args.b_flags)
+    text, differ = diff_plans(a, b)
+    sys.stdout.write(text)
+    return 1 if differ else 0
+
+
+def cmd_compile(args) -> int:
+    from .emit.write import compile_to_dir
+
+    spec, graph = compile_args(args)
+    out = compile_to_dir(spec, graph, args.output, command_line(args), args.name)
+    print(f"wrote {out}/model.py, plan.txt, plan.json, graph.dot", file=sys.stderr)
+    return 0
+
+
+def cmd_check(args) -> int:
+    from .emit.write import check_generated
+
+    return check_generated(args.generated, sys.stdout)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specc", description="Compile declarative model specs into tensor- and "
+                                "sequence-parallel PyTorch modules and parallel plans.")
+    p.add_argument("--version", action="version", version=f"specc {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    c = sub.add_parser("validate", help="check specs and print a one-line summary of each")
+    c.add_argument("specs", nargs="+", metavar="SPEC")
+    spec_flags(c)
+    c.set_defaults(func=cmd_validate)
+
+    c = sub.add_parser("schema", help="print the JSON Schema of the spec language")
+    c.set_defaults(func=cmd_schema)
+
+    c = sub.add_parser("plan", help="print the parallel plan of a spec")
+    c.add_argument("spec", metavar="SPEC")
+    spec_flags(c)
+    c.add_argument("--json", action="store_true", help="print JSON instead of text")
+    c.set_defaults(func=cmd_plan)
+
+    c = sub.add_parser("diff", help="compare two plans (specs with their own flags, or saved plan.json files); "
+                       "exit 1 when they differ",
+                       description="Each side is a spec or a plan.json. Flags for a side follow it in quotes: "
+                       "specc diff specs/gpt.yaml specs/gpt.yaml --b-flags '--tp 2 --sp'")
+    c.add_argument("a", metavar="A")
+    c.add_argument("b", metavar="B")
+    c.add_argument("--a-flags", default="", metavar="FLAGS", help="flags for side A, e.g. '--tp 2'")
+    c.add_argument("--b-flags", default="", metavar="FLAGS", help="flags for side B")
+    c.set_defaults(func=cmd_diff)
+
+    c = sub.add_parser("graph", help="write the op graph as Graphviz dot (and SVG when `dot` is installed)")
+    c.add_argument("spec", metavar="SPEC")
+    spec_flags(c)
+    c.add_argument("-o", "--output", default="graph.dot", help="output .dot path (default graph.dot)")
+    c.set_defaults(func=cmd_graph)
+
+    c = sub.add_parser("compile", help="write generated/NAME/: model.py, plan.txt, plan.json, graph.dot")
+    c.add_argument("spec", metavar="SPEC")
+    spec_flags(c)
+    c.add_argument("-o", "--output", default="generated", help="output root (default generated/)")
+    c.add_argument("--name", default=None, help="directory name under the output root (default: the spec's name and settings)")
+    c.set_defaults(func=cmd_compile)
+
+    c = sub.add_parser("check", help="fail with a diff when generated/ is stale")
+    c.add_argument("generated", nargs="?", default="generated", help="the generated root (default generated/)")
+    c.set_defaults(func=cmd_check)
+
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecError as e:
+        print(e.format(), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specc: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Turn the typed, optimized op graph into model.py: one class per spec module (per distinct
+layout signature), constructors that take the process groups explicitly, and forwards in which
+every boundary is a visible call with a comment naming its collective."""
+
+from __future__ import annotations
+
+import os
+
+import jinja2
+
+from .. import __version__
+from ..layouts import I, P, R, SH, SS
+from ..ops import OPS
+from ..ops.base import EmitCtx
+
+_SUFFIX = {I: "full", R: "rep", SS: "seq", SH: "shard", P: "partial"}
+_COLL = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
+         "split": "split (local)", "": "identity"}
+
+_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(os.path.join(os.path.dirname(__file__), "templates")),
+                          trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                          undefined=jinja2.StrictUndefined)
+
+
+def emit_model(graph, command: str) -> str:
+    spec, settings = graph.spec, graph.spec.settings
+    emitter = _Emitter(graph)
+    root_class = emitter.class_for("")
+    classes = [emitter.classes[k] for k in emitter.order]
+    body = "\n".join(ln for c in classes for ln in c.init + c.body)
+    return _ENV.get_template("model.py.j2").render(
+        uses_torch="torch." in body, uses_mappings="mappings." in body,
+        spec_name=spec.name, description=spec.description or spec.name, version=__version__,
+        spec_file=os.path.basename(spec.path), spec_hash=spec.source_hash, command=command,
+        settings_line=settings.describe(), classes=classes, root_class=root_class,
+        settings_dict=repr({"tp": settings.tp, "sp": settings.sp, "backend": settings.backend,
+                            "micro_batch_size": settings.micro_batch_size, "dtype": settings.dtype,
+                            "fuse": settings.fuse}),
+    )
+
+
+class _Class:
+    def __init__(self, name, doc, params, init, body):
+        self.name, self.doc, self.params, self.init, self.body = name, doc, params, init, body
+
+
+class _Emitter:
+    def __init__(self, graph):
+        self.g = graph
+        self.tp = graph.spec.settings.tp
+        self.classes: dict = {}  # signature -> _Class
+        self.order: list = []  # signatures, children before parents
+        self.names: dict = {}  # module name -> count of classes made for it
+        self.items = self._items_by_scope()
+
+    # -- structure --------------------------------------------------------------------------
+    def _items_by_scope(self) -> dict:
+        """For every module instance scope, its own ops and the child calls, in execution order."""
+        items: dict = {s: [] for s in self.g.scopes}
+        for scope in self.g.repeats:
+            items.setdefault(scope, [])
+        for op in self.g.iter_ops():
+            items[op.scope].append(("op", op))
+            scope = op.scope
+            while scope:  # announce the call of each enclosing child in its parent, once
+                child, parent = self._child_of(scope)
+                if not items[parent] or items[parent][-1] != ("call", child):
+                    if ("call", child) in items[parent]:
+                        break
+                    items[parent].append(("call", child))
+                scope = parent
+        return items
+
+    def _child_of(self, scope: str):
+        """(the child call that contains `scope`, the scope that makes that call)."""
+        parent = scope.rsplit(".", 1)[0] if "." in scope else ""
+        if parent in self.g.repeats:  # layers.3 is called through the repeated group `layers`
+            return parent, (parent.rsplit(".", 1)[0] if "." in parent else "")
+        return scope, parent
+
+    def class_for(self, scope: str) -> str:
+        module = self.g.scopes[scope]
+        init, body, params = self._emit_scope(scope)
+        key = (module, tuple(init), tuple(body), tuple(params))
+        if key not in self.classes:
+            n = self.names.get(module, 0) + 1
+            self.names[module] = n
+            name = module if n == 1 else f"{module}_{n}"
+            mdef = self.g.spec.modules[module]
+            doc = mdef.description or f"The spec module {module}."
+            if n > 1:
+                doc += " (A variant: its layouts differ from the first instance's.)"
+            self.classes[key] = _Class(name, doc, params, init, body)
+            self.order.append(key)
+        return self.classes[key].name
+
+    # -- one module -------------------------------------------------------------------------
+    def _emit_scope(self, scope: str):
+        g = self.g
+        mdef = g.spec.modules[g.scopes[scope]]
+        args, outs = g.calls[scope]
+        names = _Names(mdef.inputs, args)
+        items = self.items[scope]
+        last_use = self._last_uses(items, outs)
+        init, body, built, uses_tp = [], [], set(), False
+        partial = []
+        for index, (what, x) in enumerate(items):
+            if what == "call":
+                body += self._call_lines(x, names, index, last_use, init)
+                continue
+            op = x
+            line, comment, tp = self._op_line(op, names, index, last_use)
+            uses_tp |= tp
+            if comment:
+                body.append(f"# {comment}")
+            body.append(line)
+            if op.kind != "boundary":
+                ctor = self._constructor(op)
+                if ctor and op.attr_name not in built:
+                    built.add(op.attr_name)
+                    init.append(f"self.{op.attr_name} = {ctor}")
+                    uses_tp |= "self.tp" in ctor
+            for w in op.partial_grad:
+                owner = op.attrs["owner_attr"] if op.kind == "bias_add" else op.attr_name
+                partial.append(f"runtime.mark_tp_partial_grad(self.{owner}.{w})  # used on {op.in_layouts[0]} values")
+        body.append("return " + ", ".join(names.get(v) for v in outs))
+        if uses_tp or any("self.tp" in ln for ln in body):
+            init.insert(0, "self.tp = pg.tp")
+        init = _order_ties(init) + sorted(set(partial), key=partial.index)
+        return init, body, list(mdef.inputs)
+
+    def _last_uses(self, items, outs) -> dict:
+        last = {}
+        for i, (what, x) in enumerate(items):
+            used = self.g.calls[x][0] if what == "call" else x.inputs
+            for v in used:
+                last[v] = i
+        for v in outs:
+            last[v] = len(items)
+        return last
+
+    def _call_lines(self, child: str, names, index: int, last_use: dict, init: list) -> list:
+        g = self.g
+        attr = child.rsplit(".", 1)[-1]
+        args, outs = g.calls[child]
+        arg_names = [names.get(v) for v in args]
+        if child in g.repeats:
+            count = g.repeats[child]
+            classes = [self.class_for(f"{child}.{i}") for i in range(count)]
+            if len(set(classes)) == 1:
+                init.append(f"self.{attr} = nn.ModuleList([{classes[0]}(pg, rng_tracker) for _ in range({count})])")
+            else:
+                init.append(f"self.{attr} = nn.ModuleList([" + ", ".join(f"{c}(pg, rng_tracker)" for c in classes) + "])")
+            out = names.bind(outs[0], g.call_names[child][0], index, last_use)
+            lines = [] if out == arg_names[0] else [f"{out} = {arg_names[0]}"]
+            return lines + [f"for layer in self.{attr}:", f"    {out} = layer({out})"]
+        init.append(f"self.{attr} = {self.class_for(child)}(pg, rng_tracker)")
+        out_names = [names.bind(v, n, index, last_use) for v, n in zip(outs, g.call_names[child])]
+        return [f"{', '.join(out_names)} = self.{attr}({', '.join(arg_names)})"]
+
+    def _op_line(self, op, names, index: int, last_use: dict):
+        g = self.g
+        args = [names.get(v) for v in op.inputs]
+        layouts = f"{','.join(op.in_layouts)} -> {','.join(op.out_layouts)}" if self.tp > 1 else ""
+        if op.kind == "boundary":
+            b = op.boundary
+            src = g.values[op.inputs[0]]
+            suffix = _SUFFIX[b.dst]
+            out = names.bind(op.outputs[0], src.name, index, last_use, suffix)
+            extra = f", {b.kwargs}" if b.kwargs else ""
+            comment = f"{b.src} -> {b.dst}: forward {_COLL[b.forward]}, backward {_COLL[b.backward]}"
+            return f"{out} = mappings.{b.function}({args[0]}, self.tp{extra})", comment, True
+        kind = OPS[op.kind]
+        call = kind.call(op, args, EmitCtx(tp=self.tp))
+        outs = [names.bind(v, g.values[v].name, index, last_use) for v in op.outputs]
+        comment = ""
+        for a in op.absorbed:
+            if a.mode == "gather":
+                comment = (f"{op.attr_name} all-gathers its S(s) input over the sequence inside the GEMM "
+                           "(backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)")
+            else:
+                comment = (f"{op.attr_name} takes an I input as R (backward: all-reduce of the input gradient, "
+                           "overlapped with the weight-gradient GEMM)")
+        if op.kind == "cross_entropy" and op.in_layouts and op.in_layouts[0] == SH:
+            comment = "vocab-parallel cross-entropy on sharded logits: three all-reduces of [s, b] fp32 inside"
+        line = f"{', '.join(outs)} = {call}"
+        if layouts:
+            line += f"  # {layouts}"
+        return line, comment, "self.tp" in call
+
+    def _constructor(self, op) -> str | None:
+        if op.tied_to:
+            target = self.g.ops[op.tied_to]
+            op.tied_expr = f"self.{target.attr_name}.weight"
+        return OPS[op.kind].constructor(op, EmitCtx(tp=self.tp))
+
+
+class _Names:
+    """Python variable names for values within one forward: spec names where possible, a suffix
+    when a converted value would overwrite one still needed."""
+
+    def __init__(self, inputs: list, values: list):
+        self.of = dict(zip(values, inputs))
+        self.holder = {n: v for v, n in self.of.items()}
+
+    def get(self, vid: str) -> str:
+        return self.of[vid]
+
+    def bind(self, vid: str, base: str, index: int, last_use: dict, suffix: str = "") -> str:
+        if vid in self.of:
+            return self.of[vid]
+        candidates = [base] if not suffix else []
+        stem = f"{base}_{suffix}" if suffix else base
+        candidates += [stem] + [f"{stem}_{n}" for n in range(2, 1000)]
+        for name in candidates:
+            held = self.holder.get(name)
+            if held is None or last_use.get(held, -1) <= index:
+                if not suffix or name != base:
+                    self.of[vid] = name
+                    self.holder[name] = vid
+                    return name
+        raise AssertionError("ran out of names")
+
+
+def _order_ties(init: list) -> list:
+    """Construct the owners of shared weights before the layers that borrow them."""
+    borrowers = [ln for ln in init if "weight=self." in ln]
+    return [ln for ln in init if ln not in borrowers] + borrowers

@@ -1,0 +1,81 @@
+"""The op graph as Graphviz dot: ops as boxes, boundaries as orange diamonds naming their
+collective, edges labelled with layouts, one cluster per module instance."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+from .errors import Loc, SpecError
+
+
+def _q(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_dot(graph) -> str:
+    tp = graph.spec.settings.tp
+    lines = [f"digraph {_q(graph.spec.name)} {{", "  rankdir=TB;", '  node [fontname="Helvetica", fontsize=10];',
+             '  edge [fontname="Helvetica", fontsize=8];']
+    for vid in graph.inputs:
+        lines.append(f"  {_q('input:' + vid)} [shape=oval, label={_q(vid)}];")
+    by_scope: dict = {}
+    for op in graph.iter_ops():
+        by_scope.setdefault(op.scope, []).append(op)
+    for n, (scope, ops) in enumerate(by_scope.items()):
+        indent = "  "
+        if scope:
+            lines.append(f"  subgraph {_q('cluster_' + str(n))} {{")
+            lines.append(f"    label={_q(scope + ' (' + graph.scopes.get(scope, '') + ')')}; style=rounded; color=gray;")
+            indent = "    "
+        for op in ops:
+            if op.kind == "boundary":
+                b = op.boundary
+                label = f"{b.src} -> {b.dst}\\n{b.function}\\nfwd {b.forward or 'identity'} / bwd {b.backward or 'identity'}"
+                lines.append(f"{indent}{_q(op.id)} [shape=diamond, style=filled, fillcolor=orange, label={_q(label)}];")
+            else:
+                extra = "".join(f"\\n+ {a.boundary.function}" for a in op.absorbed)
+                label = f"{op.local_name}\\n{op.kind} [{op.impl}]{extra}"
+                fill = "lightyellow" if op.absorbed else "white"
+                lines.append(f"{indent}{_q(op.id)} [shape=box, style=filled, fillcolor={fill}, label={_q(label)}];")
+        if scope:
+            lines.append("  }")
+    for op in graph.iter_ops():
+        for vid in op.inputs:
+            value = graph.values[vid]
+            src = value.producer if value.producer else "input:" + vid
+            label = value.layout if tp > 1 else ""
+            lines.append(f"  {_q(src)} -> {_q(op.id)} [label={_q(label)}];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(dot: str, path: str) -> list:
+    """Write the .dot file (atomically) and, where Graphviz is installed, an SVG beside it."""
+    out = [path]
+    _atomic_write(path, dot)
+    if shutil.which("dot"):
+        svg = os.path.splitext(path)[0] + ".svg"
+        result = subprocess.run(["dot", "-Tsvg", path], capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise SpecError(Loc(path), f"graphviz failed: {result.stderr.strip().splitlines()[-1] if result.stderr else 'no output'}")
+        _atomic_write(svg, result.stdout)
+        out.append(svg)
+    return out
+
+
+def _atomic_write(path: str, text: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise SpecError(Loc(path), "output folder does not exist")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".specc-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

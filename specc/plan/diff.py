@@ -1,0 +1,108 @@
+"""`specc diff`: what changed between two plans, readable in a CI log."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from ..errors import Loc, SpecError
+from .render import human_bytes, plan_dict
+
+
+def load_side(path: str, flags: str) -> dict:
+    """A plan as a dict: from a saved plan.json, or compiled from a spec with its own flags."""
+    if path.endswith(".json"):
+        if flags:
+            raise SpecError(Loc(path), "flags apply to specs, not to a saved plan")
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise SpecError(Loc(path), "no such file") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SpecError(Loc(path, getattr(e, "lineno", 0), getattr(e, "colno", 0)), f"not a plan.json: {e}") from None
+        if not isinstance(data, dict) or "ops" not in data or "totals" not in data:
+            raise SpecError(Loc(path), "not a plan.json (no 'ops' and 'totals')", "save one with `specc plan SPEC --json`")
+        data["_label"] = path
+        return data
+    if path.endswith(".txt"):
+        raise SpecError(Loc(path), "text plans are for people; diff a spec or a plan.json", "`specc plan SPEC --json > plan.json`")
+    from ..cli import build_parser, compile_args
+
+    try:
+        words = shlex.split(flags)
+    except ValueError as e:
+        raise SpecError(Loc(f"flags '{flags}'"), str(e)) from None
+    args = build_parser().parse_args(["plan", path, *words])
+    from . import build_plan
+
+    _, graph = compile_args(args)
+    data = plan_dict(build_plan(graph))
+    data["_label"] = f"{path} {flags}".strip()
+    return data
+
+
+def _op_key(op: dict) -> str:
+    return op["name"]
+
+
+def _colls(items) -> str:
+    return " + ".join(f"{c['collective']} {human_bytes(c['bytes'])}" for c in items) or "-"
+
+
+def _describe(op: dict) -> str:
+    return (f"{op['kind']} [{op['impl']}] {','.join(op['layouts_in'])} -> {','.join(op['layouts_out'])}; "
+            f"fwd {_colls(op['forward'])}; bwd {_colls(op['backward'])}" + (f" x{op['count']}" if op["count"] > 1 else ""))
+
+
+def diff_plans(a: dict, b: dict):
+    lines = [f"--- {a['_label']}", f"+++ {b['_label']}"]
+    sa, sb = a.get("settings", {}), b.get("settings", {})
+    changed = [f"{k} {sa.get(k)} -> {sb.get(k)}" for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k)]
+    if changed:
+        lines.append("settings: " + "; ".join(changed))
+    ops_a = {_op_key(o): o for o in a["ops"]}
+    ops_b = {_op_key(o): o for o in b["ops"]}
+    op_lines = []
+    for name in list(ops_a) + [n for n in ops_b if n not in ops_a]:
+        oa, ob = ops_a.get(name), ops_b.get(name)
+        if oa is None:
+            op_lines.append(f"  + {name}: {_describe(ob)}")
+        elif ob is None:
+            op_lines.append(f"  - {name}: {_describe(oa)}")
+        else:
+            fields = ("impl", "layouts_in", "layouts_out", "forward", "backward", "count", "saved_bytes")
+            if any(oa.get(f) != ob.get(f) for f in fields):
+                op_lines.append(f"  ~ {name}: {_describe(oa)}")
+                op_lines.append(f"  {' ' * len(name)}  => {_describe(ob)}")
+    if op_lines:
+        lines.append("ops:")
+        lines += op_lines
+    total_lines = _totals(a["totals"], b["totals"])
+    if total_lines:
+        lines.append("totals:")
+        lines += total_lines
+    differ = bool(changed or op_lines or total_lines)
+    if not differ:
+        lines.append("plans are identical")
+    return "\n".join(lines) + "\n", differ
+
+
+def _totals(ta: dict, tb: dict) -> list:
+    out = []
+    ca, cb = ta.get("collectives", {}), tb.get("collectives", {})
+    for kind in sorted(set(ca) | set(cb)):
+        x, y = ca.get(kind, {"count": 0, "bytes": 0}), cb.get(kind, {"count": 0, "bytes": 0})
+        if x != y:
+            out.append(f"  {kind}: {x['count']} x {human_bytes(x['bytes'])} -> {y['count']} x {human_bytes(y['bytes'])}"
+                       f" ({_signed(y['bytes'] - x['bytes'])})")
+    for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes"):
+        x, y = ta.get(key, 0), tb.get(key, 0)
+        if x != y:
+            pct = f", {100.0 * (y - x) / x:+.1f}%" if x else ""
+            out.append(f"  {key.replace('_bytes', '')}: {human_bytes(x)} -> {human_bytes(y)} ({_signed(y - x)}{pct})")
+    return out
+
+
+def _signed(n: int) -> str:
+    return ("+" if n >= 0 else "-") + human_bytes(abs(n))

@@ -1,0 +1,89 @@
+"""Render a Plan as aligned text (for people and diff) and as JSON (for tools). Both are
+byte-stable: no timestamps, no absolute paths, no dict-order or hash-seed dependence."""
+
+from __future__ import annotations
+
+import json
+import os
+
+_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _colls(items: list) -> str:
+    return " + ".join(f"{_SHORT[k]} {human_bytes(b)}" for k, b in items) or "-"
+
+
+def plan_text(plan) -> str:
+    s = plan.settings
+    lines = [
+        f"# specc plan {plan.spec_name} ({os.path.basename(plan.spec_path)})",
+        f"# specc {plan.version}  spec sha256 {plan.spec_hash[:16]}",
+        f"# settings: {s.describe()}",
+        "# per rank; AR all-reduce, AG all-gather, RS reduce-scatter; bytes as the collective moves them",
+        "",
+    ]
+    header = ("op", "impl", "layouts", "forward", "backward", "saved", "notes")
+    rows = [header]
+    for e in plan.entries:
+        name = e.name + (f"  x{e.count}" if e.count > 1 else "")
+        lay = f"{','.join(e.layouts_in) or '-'} -> {','.join(e.layouts_out) or '-'}"
+        rows.append((name, e.impl if e.kind != "boundary" else "boundary", lay, _colls(e.forward), _colls(e.backward),
+                     human_bytes(e.saved) if e.saved else "-", "; ".join(e.notes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    lines[-len(rows):] = [ln.rstrip() for ln in lines[-len(rows):]]
+    t = plan.totals
+    lines += ["", f"totals per step (one micro-batch of {s.micro_batch_size}, forward + backward)"]
+    for kind, c in t["collectives"].items():
+        lines.append(f"  {kind:<16}{c['count']:>6} x   {human_bytes(c['bytes']):>12}")
+    gs = t["grad_sync"]["all_reduce"]
+    if gs["count"]:
+        lines.append(f"  tp grad sync    {gs['count']:>6} x   {human_bytes(gs['bytes']):>12}   "
+                     f"(all-reduce of {t['tp_partial_grad_parameters']:,} tp-partial gradient elements, once per step)")
+    lines += [
+        f"  parameters      {t['parameters']:>14,}   {human_bytes(t['parameter_bytes']):>12}",
+        f"  gradients                       {human_bytes(t['gradient_bytes']):>12}   (fp32)",
+        f"  optimizer state                 {human_bytes(t['optimizer_bytes']):>12}   (Adam, not sharded over DP)",
+        f"  activations                     {human_bytes(t['activation_bytes']):>12}   (kept for backward)",
+    ]
+    if plan.groups:
+        per = t["activation_bytes_per_layer"]
+        if per:
+            first = next(iter(per.values()))
+            lines.append(f"  activations per layer           {human_bytes(first):>12}")
+        for pat, n in sorted(plan.groups.items()):
+            lines.append(f"  {pat} folds {n} identical instances")
+    return "\n".join(lines) + "\n"
+
+
+def plan_dict(plan) -> dict:
+    s = plan.settings
+    return {
+        "specc_version": plan.version,
+        "spec": {"name": plan.spec_name, "file": os.path.basename(plan.spec_path), "sha256": plan.spec_hash},
+        "settings": {"tp": s.tp, "sp": s.sp, "backend": s.backend, "micro_batch_size": s.micro_batch_size,
+                     "dtype": s.dtype, "fuse": s.fuse},
+        "ops": [
+            {"name": e.name, "count": e.count, "kind": e.kind, "impl": e.impl, "impl_reason": e.impl_reason,
+             "layouts_in": e.layouts_in, "layouts_out": e.layouts_out,
+             "forward": [{"collective": k, "bytes": b} for k, b in e.forward],
+             "backward": [{"collective": k, "bytes": b} for k, b in e.backward],
+             "saved_bytes": e.saved, "notes": e.notes}
+            for e in plan.entries
+        ],
+        "groups": dict(sorted(plan.groups.items())),
+        "totals": plan.totals,
+    }
+
+
+def plan_json(plan) -> str:
+    return json.dumps(plan_dict(plan), indent=2, sort_keys=False) + "\n"
