@@ -58,8 +58,8 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         total = gather_dim0(x, tp) if mode == "gather" else x
         ctx.save_for_backward(x, weight)
         ctx.tp, ctx.mode, ctx.has_bias = tp, mode, bias is not None
-        out = torch.matmul(total, weight.t())
-        return out + bias if bias is not None else out
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return F.linear(total, weight, bias)  # under autocast, casts all three alike
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -72,7 +72,10 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
             total = x.new_empty((x.shape[0] * tp.size, *x.shape[1:]))
             gather_work = comm.all_gather_into_tensor(total, x.contiguous(), tp, async_op=True)
 
-        grad_input = grad_out.matmul(weight) if need_input else None
+        # Backward runs outside autocast: bring the saved tensors to the gradient's
+        # dtype for the GEMMs, and return each gradient in its input's dtype.
+        compute = grad_out.dtype
+        grad_input = grad_out.matmul(weight.to(compute)).to(x.dtype) if need_input else None
         if gather_work is not None:
             gather_work.wait()
 
@@ -85,8 +88,11 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
             reduce_work = comm.reduce_scatter_tensor(grad_input, full_grad_input, tp, async_op=True)
 
         grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_weight = grad_out_2d.t().matmul(total.reshape(-1, total.shape[-1])) if need_weight else None
-        grad_bias = grad_out_2d.sum(dim=0) if ctx.has_bias and need_bias else None
+        grad_weight = None
+        if need_weight:
+            total_2d = total.reshape(-1, total.shape[-1]).to(compute)
+            grad_weight = grad_out_2d.t().matmul(total_2d).to(weight.dtype)
+        grad_bias = grad_out_2d.sum(dim=0).to(ctx.bias_dtype) if ctx.has_bias and need_bias else None
 
         if reduce_work is not None:
             reduce_work.wait()

@@ -105,10 +105,32 @@ def _column_case(rank, world, mode, segments):
         close(summed(x.grad), x_ref.grad)
 
 
+def _column_autocast_case(rank, world, mode):
+    """bf16 autocast: backward runs outside autocast and must reconcile dtypes."""
+    g = world_group(rank, world)
+    layer = ColumnParallelLinear(6, 8, tp=g, input_mode=mode)
+    with torch.no_grad():
+        layer.weight.copy_(rows(seeded(1, 8, 6), rank, world))
+        layer.bias.copy_(rows(seeded(2, 8), rank, world))
+    x_full = seeded(3, S, B, 6)
+    x = (rows(x_full, rank, world) if mode == "gather" else x_full).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == layer.weight.grad.dtype == layer.bias.grad.dtype == torch.float32
+    w_full = seeded(1, 8, 6)
+    expected_dx = torch.ones(S, B, 8) @ w_full  # d(sum(x W^T))/dx, summed over all ranks' columns
+    close(x.grad, rows(expected_dx, rank, world) if mode == "gather" else expected_dx, atol=5e-2, rtol=2e-2)
+    close(layer.bias.grad, torch.full((8 // world,), float(S * B)))
+
+
 def _check_column(rank, world):
     for mode in ("none", "copy", "gather"):
         for segments in ([12], [8, 4, 4], [8, 8]):  # plain, GQA q/k/v, gate/up
             _column_case(rank, world, mode, segments)
+    for mode in ("copy", "gather"):
+        _column_autocast_case(rank, world, mode)
 
 
 def _check_row(rank, world):
