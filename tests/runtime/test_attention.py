@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from runtime import mappings
