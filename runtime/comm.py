@@ -17,10 +17,17 @@ from .parallel_state import Group
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
-# torch 2.13 renames the "_into_tensor"/"_tensor" collectives to "_single" and
-# deprecates the old names; use the new ones where they exist.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather(out, inp, **kwargs):
+    # torch 2.13 renames all_gather_into_tensor to all_gather_single and deprecates
+    # the old name; resolved per call so importing needs no torch.distributed.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, **kwargs)
+
+
+def _reduce_scatter(out, inp, **kwargs):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, **kwargs)
 
 
 @dataclass(frozen=True)

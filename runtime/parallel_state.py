@@ -23,7 +23,9 @@ class Group:
     """One parallel axis as seen by this rank.
 
     `group` is None when size == 1: every collective on such a group is a no-op,
-    so single-process runs need no torch.distributed at all.
+    so single-process runs need no torch.distributed at all. Issue collectives
+    through runtime.comm, never torch.distributed directly: there group=None
+    would mean the whole world.
     """
 
     size: int
