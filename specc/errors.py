@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Loc:
-    """A position in a spec file (1-based line and column), or on the command line."""
+    """A position in a spec file (1-based line and column), or on the command line.
+
+    A Loc made for a string scalar also remembers the scalar (`anchor`: the scalar and an offset
+    into its value), so that `shifted` can find the source position of a character inside a
+    value even where the source differs from the value: escapes in quoted strings, folded lines,
+    block scalars."""
 
     path: str
     line: int = 0
     col: int = 0
+    anchor: tuple | None = field(default=None, compare=False, repr=False)
 
     def shifted(self, cols: int) -> "Loc":
+        if self.anchor is not None:
+            scalar, offset = self.anchor
+            return scalar.loc_at(offset + cols)
         return Loc(self.path, self.line, self.col + cols)
 
     def __str__(self) -> str:
@@ -41,10 +50,12 @@ class SpecError(Exception):
         return self.format()
 
 
-def did_you_mean(word: str, choices) -> str:
+def did_you_mean(word, choices) -> str:
     """A hint naming the closest valid choice, or listing the valid ones."""
-    choices = sorted(choices)
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    choices = sorted(str(c) for c in choices)
+    word = str(word)
+    same_case = [c for c in choices if c.lower() == word.lower()]
+    close = same_case or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     if close:
         return f"did you mean '{close[0]}'?"
     if not choices:
