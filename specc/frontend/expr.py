@@ -20,6 +20,8 @@ _BINOPS = {
 }
 _FUNCS = {"min": min, "max": max, "sqrt": math.sqrt, "int": int, "ceil": math.ceil, "floor": math.floor}
 MAX_EXPONENT = 64  # keeps `${10 ** 10 ** 10}` from hanging the compiler
+MAX_MAGNITUDE = 10 ** 30  # no size is larger; bigger numbers only come from mistakes
+HINT = "use config names, numbers, + - * / // % **, min, max, sqrt, int, ceil, floor"
 
 
 def has_interpolation(text: str) -> bool:
@@ -30,8 +32,7 @@ def interpolate(text: str, loc: Loc, lookup):
     """Evaluate every `${expr}` in text. A string that is one whole `${expr}` yields its value
     (a number stays a number); otherwise the parts are formatted into a string."""
     if text.count("${") != len(_INTERP.findall(text)):
-        col = text.find("${")
-        raise SpecError(loc.shifted(col), "unterminated or nested '${' in interpolation", "write ${name} or ${expression}")
+        _unbalanced(text, loc)
     whole = _INTERP.fullmatch(text.strip())
     if whole:
         start = text.find("${") + 2
@@ -41,6 +42,23 @@ def interpolate(text: str, loc: Loc, lookup):
         return _format(evaluate(m.group(1), loc.shifted(m.start(1)), lookup))
 
     return _INTERP.sub(repl, text)
+
+
+def _unbalanced(text: str, loc: Loc):
+    """Locate the first `${` that does not close before another `${` or the end of the text."""
+    at = 0
+    while True:
+        col = text.find("${", at)
+        if col < 0:
+            return
+        close, nested = text.find("}", col + 2), text.find("${", col + 2)
+        if close < 0:
+            raise SpecError(loc.shifted(col), "unterminated '${' in interpolation", "close it with '}': ${name}")
+        if 0 <= nested < close or "{" in text[col + 2:close]:
+            inner = nested if nested >= 0 else text.find("{", col + 2)
+            raise SpecError(loc.shifted(inner), "nested braces inside '${...}'",
+                            "an interpolation holds one expression over config names: ${a * b}")
+        at = close + 1
 
 
 def _format(value) -> str:
@@ -53,23 +71,61 @@ def evaluate(source: str, loc: Loc, lookup):
     """Evaluate one expression; `lookup(name, loc)` returns a config value or raises SpecError."""
     if not source.strip():
         raise SpecError(loc, "empty interpolation '${}'", "write ${name} or ${expression}")
-    try:
-        tree = ast.parse(source.strip(), mode="eval")
-    except SyntaxError as e:
-        raise SpecError(loc.shifted(max((e.offset or 1) - 1, 0)), f"bad expression '{source.strip()}': {e.msg}") from None
     lead = len(source) - len(source.lstrip())
-    return _Eval(loc.shifted(lead), lookup).visit(tree.body)
+    text = source.strip()
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as e:
+        raise SpecError(loc.shifted(lead + error_col(text, e)), f"bad expression '{text}': {syntax_message(e)}", HINT) from None
+    except ValueError as e:  # e.g. a NUL character
+        raise SpecError(loc.shifted(lead), f"bad expression '{text}': {e}", HINT) from None
+    except (RecursionError, MemoryError):
+        raise SpecError(loc.shifted(lead), "expression is nested too deeply", "split it into several config values") from None
+    try:
+        return _Eval(loc.shifted(lead), lookup, text).visit(tree.body)
+    except RecursionError:
+        raise SpecError(loc.shifted(lead), "expression is nested too deeply", "split it into several config values") from None
+
+
+def syntax_message(e: SyntaxError) -> str:
+    """Python's message, without its advice about Python itself."""
+    return (e.msg or "invalid syntax").splitlines()[0].split(" - ")[0].split("; use ")[0]
+
+
+def char_col(text: str, node) -> int:
+    """Offset in `text` of an `ast` node, which counts lines and UTF-8 bytes within its line."""
+    lines = text.split("\n")
+    lineno = min(max(getattr(node, "lineno", 1) or 1, 1), len(lines))
+    offset = getattr(node, "col_offset", 0) or 0
+    before = sum(len(ln) + 1 for ln in lines[: lineno - 1])
+    return before + len(lines[lineno - 1].encode("utf-8")[:offset].decode("utf-8", "ignore"))
+
+
+def error_col(text: str, e: SyntaxError) -> int:
+    """Offset in `text` of a SyntaxError (whose line is 1-based and column is 1-based characters)."""
+    lines = text.split("\n")
+    lineno = min(max(e.lineno or 1, 1), len(lines))
+    before = sum(len(ln) + 1 for ln in lines[: lineno - 1])
+    return min(before + max((e.offset or 1) - 1, 0), len(text))
 
 
 class _Eval:
-    def __init__(self, loc: Loc, lookup):
+    def __init__(self, loc: Loc, lookup, text: str):
         self.loc = loc
         self.lookup = lookup
+        self.text = text
 
     def at(self, node) -> Loc:
-        return self.loc.shifted(getattr(node, "col_offset", 0))
+        return self.loc.shifted(char_col(self.text, node))
 
     def visit(self, node):
+        value = self._visit(node)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_MAGNITUDE \
+                and not (isinstance(value, float) and math.isinf(value)):
+            raise SpecError(self.at(node), f"'{_short(node)}' is too large (more than 1e30)", "check the expression")
+        return value
+
+    def _visit(self, node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
             return node.value
         if isinstance(node, ast.Name):
@@ -83,27 +139,47 @@ class _Eval:
             args = [self._number(a) for a in node.args]
             try:
                 return _FUNCS[node.func.id](*args)
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, OverflowError) as e:
                 raise SpecError(self.at(node), f"bad call {node.func.id}(): {e}") from None
-        raise SpecError(self.at(node), f"unsupported expression '{ast.unparse(node)}'",
-                        "use config names, numbers, + - * / // % **, min, max, sqrt, int, ceil, floor")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in _FUNCS:
+            raise SpecError(self.at(node), f"unknown function '{node.func.id}'", did_you_mean(node.func.id, _FUNCS))
+        raise SpecError(self.at(node), f"unsupported expression '{_short(node)}'", HINT)
 
     def _number(self, node):
         value = self.visit(node)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise SpecError(self.at(node), f"'{ast.unparse(node)}' is not a number")
+            raise SpecError(self.at(node), f"'{_short(node)}' is not a number, but {_what(value)}",
+                            "arithmetic works on numbers only")
         return value
 
     def _binop(self, node):
         left, right = self._number(node.left), self._number(node.right)
         if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
-            raise SpecError(self.at(node), f"division by zero in '{ast.unparse(node)}'")
+            raise SpecError(self.at(node), f"division by zero in '{_short(node)}'", f"'{_short(node.right)}' is 0")
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-            raise SpecError(self.at(node), f"exponent {right} is too large (at most {MAX_EXPONENT})")
+            raise SpecError(self.at(node), f"exponent {right:g} is too large (at most {MAX_EXPONENT})")
         try:
-            return _BINOPS[type(node.op)](left, right)
-        except (OverflowError, ValueError, ZeroDivisionError) as e:
-            raise SpecError(self.at(node), f"cannot compute '{ast.unparse(node)}': {e}") from None
+            value = _BINOPS[type(node.op)](left, right)
+        except (OverflowError, ValueError, ZeroDivisionError, TypeError) as e:
+            raise SpecError(self.at(node), f"cannot compute '{_short(node)}': {e}") from None
+        if isinstance(value, complex):
+            raise SpecError(self.at(node), f"cannot compute '{_short(node)}': the result is not a real number")
+        return value
+
+
+def _short(node) -> str:
+    text = ast.unparse(node)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _what(value) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return f"the string '{value[:40]}'"
+    if isinstance(value, list):
+        return "a list"
+    return type(value).__name__
 
 
 def unknown_name(name: str, loc: Loc, known) -> SpecError:
