@@ -4,6 +4,7 @@ and check structure, names, types and dataflow. Every failure is a located SpecE
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 
 from ..errors import Loc, SpecError, did_you_mean
@@ -23,6 +24,10 @@ IMPLS = ("auto", "native", "te", "flash", "unfused")
 DTYPES = ("int64", "int32", "float32", "bfloat16", "float16")
 MAX_EXTENDS = 16
 MAX_REPEAT = 100_000
+MAX_CONFIG_DEPTH = 64  # config values that refer to config values that refer to ...
+MAX_MODULE_DEPTH = 32  # modules that contain modules that contain ...
+MAX_OPS = 100_000  # ops after repeats are expanded: a 1000-layer model has about 20,000
+MAX_SIZE = 1 << 40  # no tensor dimension or count is larger
 
 
 def load_spec(path: str, settings: Settings = Settings(), overrides: list = ()) -> Spec:
@@ -41,25 +46,29 @@ def load_spec(path: str, settings: Settings = Settings(), overrides: list = ()) 
 
 def _read_with_extends(path: str, chain: list):
     norm = os.path.normpath(os.path.abspath(path))
-    if norm in chain:
-        raise SpecError(Loc(path, 1, 1), "cycle in 'extends': " + " -> ".join(os.path.basename(p) for p in chain + [norm]))
-    if len(chain) >= MAX_EXTENDS:
-        raise SpecError(Loc(path, 1, 1), f"'extends' chain is longer than {MAX_EXTENDS} files")
     text = read_text(path)
     doc = load_yaml(text, path)
     if not isinstance(doc, LDict):
         raise SpecError(Loc(path, 1, 1), f"a spec must be a YAML mapping, got {_kind(doc)}",
                         "start with keys such as 'name:', 'config:', 'model:' and 'modules:'")
-    _check_keys(doc, TOP_KEYS, "top-level")
+    _check_keys(doc, TOP_KEYS, "at the top level of the spec")
     texts = [text]
     if "extends" in doc:
         parent = doc["extends"]
         if not isinstance(parent, str) or not parent:
             raise SpecError(doc.value_loc("extends"), "'extends' must name a spec file", "e.g. extends: gpt.yaml")
-        parent_path = os.path.join(os.path.dirname(path), parent)
-        if not os.path.exists(parent_path):
+        parent_path = os.path.normpath(os.path.join(os.path.dirname(path), parent))
+        if not os.path.isfile(parent_path):
             raise SpecError(doc.value_loc("extends"), f"extended spec '{parent}' not found",
                             "paths are relative to this spec's folder")
+        parent_norm = os.path.normpath(os.path.abspath(parent_path))
+        if parent_norm in chain + [norm]:
+            files = chain[chain.index(parent_norm):] + [norm] if parent_norm in chain else [norm]
+            cycle = " -> ".join(os.path.basename(p) for p in files + [parent_norm])
+            raise SpecError(doc.value_loc("extends"), f"cycle in 'extends': {cycle}",
+                            "a spec may not extend itself, directly or through others")
+        if len(chain) + 1 >= MAX_EXTENDS:
+            raise SpecError(doc.value_loc("extends"), f"'extends' chain is longer than {MAX_EXTENDS} files")
         base, parent_texts = _read_with_extends(parent_path, chain + [norm])
         doc = _merge(base, doc)
         texts = parent_texts + texts
@@ -90,15 +99,18 @@ def _apply_override(raw: LDict, key: str, value, loc: Loc) -> None:
     for i, part in enumerate(parts[:-1]):
         if not isinstance(node, LDict) or part not in node:
             where = ".".join(parts[: i + 1])
-            raise SpecError(loc, f"--set {key}: '{where}' is not in the spec",
+            raise SpecError(loc, f"'{where}' is not in the spec",
                             did_you_mean(part, node.keys() if isinstance(node, dict) else []))
         node = node[part]
     last = parts[-1]
-    if not isinstance(node, LDict) or last not in node:
+    config_value = "." not in key
+    # a config value must exist (a typo must not pass silently); a dotted path may add a key to a
+    # mapping (e.g. `bias` to a linear that leaves it at its default), which validation then checks
+    if not isinstance(node, LDict) or (config_value and last not in node):
         known = node.keys() if isinstance(node, dict) else []
-        raise SpecError(loc, f"--set {key}: unknown {'config value' if parts[0] == 'config' and len(parts) == 2 else 'key'} '{last}'",
-                        did_you_mean(last, known))
+        raise SpecError(loc, f"unknown {'config value' if config_value else 'key'} '{last}'", did_you_mean(last, known))
     node[last] = value
+    node.key_locs.setdefault(last, loc)
     node.value_locs[last] = loc
 
 
@@ -129,7 +141,7 @@ class _Builder:
         modules = {}
         for mname, mraw in modules_raw.items():
             check_identifier(mname, modules_raw.key_loc(mname), "module name")
-            modules[mname] = self._module(mname, mraw, modules_raw.value_loc(mname), modules_raw)
+            modules[mname] = self._module(mname, mraw, modules_raw.value_loc(mname), modules_raw.key_loc(mname))
         root, inputs = self._model(raw["model"], raw.value_loc("model"), modules)
         _check_module_graph(modules, root)
         desc = raw.get("description", "")
@@ -137,9 +149,12 @@ class _Builder:
                     self.digest, raw.get("hf"))
 
     # -- config and interpolation --
+    def _builtins(self) -> dict:
+        return {"tensor_model_parallel_size": self.settings.tp, "micro_batch_size": self.settings.micro_batch_size,
+                "sequence_parallel": self.settings.sp}
+
     def lookup(self, name: str, loc: Loc):
-        builtins = {"tensor_model_parallel_size": self.settings.tp, "micro_batch_size": self.settings.micro_batch_size,
-                    "sequence_parallel": self.settings.sp}
+        builtins = self._builtins()
         if name in self.resolved:
             return self.resolved[name]
         if name not in self.config_raw:
@@ -149,6 +164,9 @@ class _Builder:
         if name in self.resolving:
             cycle = " -> ".join(self.resolving[self.resolving.index(name):] + [name])
             raise SpecError(self.config_raw.value_loc(name), f"config values refer to each other in a cycle: {cycle}")
+        if len(self.resolving) >= MAX_CONFIG_DEPTH:
+            raise SpecError(self.config_raw.value_loc(name), f"config values refer to each other more than "
+                            f"{MAX_CONFIG_DEPTH} deep", "compute the value more directly")
         self.resolving.append(name)
         value = self.value(self.config_raw[name], self.config_raw.value_loc(name))
         self.resolving.pop()
@@ -159,7 +177,7 @@ class _Builder:
 
     def value(self, v, loc: Loc):
         if isinstance(v, str) and has_interpolation(v):
-            start = loc.shifted(1) if getattr(v, "quoted", False) else loc
+            start = v.loc_at(0) if isinstance(v, LStr) else loc
             return interpolate(v, start, self.lookup)
         if isinstance(v, LList):
             return [self.value(x, v.item_loc(i)) for i, x in enumerate(v)]
@@ -172,22 +190,25 @@ class _Builder:
         return v
 
     # -- modules --
-    def _module(self, name: str, raw, loc: Loc, parent: LDict) -> ModuleDef:
+    def _module(self, name: str, raw, loc: Loc, name_loc: Loc) -> ModuleDef:
         if not isinstance(raw, LDict):
             raise SpecError(loc, f"module '{name}' must be a mapping with 'submodules' and 'forward', got {_kind(raw)}")
-        _check_keys(raw, MODULE_KEYS, f"module '{name}'")
+        _check_keys(raw, MODULE_KEYS, f"in module '{name}'")
         for key in ("forward",):
             if key not in raw:
-                raise SpecError(raw.loc, f"module '{name}' is missing required key '{key}'",
+                raise SpecError(name_loc, f"module '{name}' is missing required key '{key}'",
                                 "list its steps, e.g. forward: ['y = linear(x)', 'return y']")
         inputs = self._name_list(raw, "inputs", "input")
         subs_raw = raw.get("submodules", LDict())
         if not isinstance(subs_raw, LDict):
-            raise SpecError(raw.value_loc("submodules"), f"'submodules' must be a mapping, got {_kind(subs_raw)}")
+            raise SpecError(raw.value_loc("submodules"), f"'submodules' must be a mapping, got {_kind(subs_raw)}",
+                            "write one 'name: {op: ...}' or 'name: {module: ...}' per line, without '-'"
+                            if isinstance(subs_raw, LList) else "")
         subs = {}
         for sname, sraw in subs_raw.items():
             check_identifier(sname, subs_raw.key_loc(sname), "submodule name")
             subs[sname] = self._submodule(sname, sraw, subs_raw.value_loc(sname))
+            subs[sname].name_loc = subs_raw.key_loc(sname)
         steps_raw = raw["forward"]
         if not isinstance(steps_raw, LList) or not steps_raw:
             raise SpecError(raw.value_loc("forward"), "'forward' must be a non-empty list of steps",
@@ -201,7 +222,8 @@ class _Builder:
     def _name_list(self, raw: LDict, key: str, what: str) -> list:
         items = raw.get(key, LList())
         if not isinstance(items, LList):
-            raise SpecError(raw.value_loc(key), f"'{key}' must be a list of names, got {_kind(items)}")
+            raise SpecError(raw.value_loc(key), f"'{key}' must be a list of names, got {_kind(items)}",
+                            f"e.g. {key}: [x, y]")
         seen = set()
         for i, n in enumerate(items):
             check_identifier(n, items.item_loc(i), what)
@@ -216,14 +238,14 @@ class _Builder:
         if "op" in raw and "module" in raw:
             raise SpecError(raw.key_loc("module"), f"submodule '{name}' has both 'op' and 'module'", "use one of them")
         if "module" in raw:
-            _check_keys(raw, REF_KEYS, f"submodule '{name}'")
+            _check_keys(raw, REF_KEYS, f"in submodule '{name}'")
             target = self._str(raw, "module")
             repeat = None
             if "repeat" in raw:
                 repeat = self._int(raw["repeat"], raw.value_loc("repeat"), "repeat")
                 if not 1 <= repeat <= MAX_REPEAT:
                     raise SpecError(raw.value_loc("repeat"), f"repeat={repeat} must be between 1 and {MAX_REPEAT}")
-            return Ref(name, target, repeat, raw.loc)
+            return Ref(name, target, repeat, raw.value_loc("module"))
         if "op" not in raw:
             raise SpecError(raw.loc, f"submodule '{name}' needs 'op:' (an op from the registry) or 'module:' (a spec module)")
         op_name = self._str(raw, "op")
@@ -263,9 +285,12 @@ class _Builder:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise SpecError(loc, f"'{attr.name}' must be a number, got {_kind(value)}")
             value = float(value)
+            if not math.isfinite(value):
+                raise SpecError(loc, f"'{attr.name}' must be a finite number, got {value}")
         elif attr.type == "bool":
             if not isinstance(value, bool):
-                raise SpecError(loc, f"'{attr.name}' must be true or false, got {_kind(value)}")
+                got = f"the string '{_clip(value)}'" if isinstance(value, str) else _kind(value)
+                raise SpecError(loc, f"'{attr.name}' must be true or false, got {got}", "write true or false, unquoted")
         elif attr.type == "str":
             if not isinstance(value, str):
                 raise SpecError(loc, f"'{attr.name}' must be a string, got {_kind(value)}")
@@ -277,10 +302,14 @@ class _Builder:
             if not isinstance(value, list) or not value:
                 raise SpecError(loc, f"'{attr.name}' must be a non-empty list of integers, got {_kind(value)}")
             items = raw if isinstance(raw, LList) else None
-            value = tuple(self._int(x, items.item_loc(i) if items else loc, attr.name, evaluated=True) for i, x in enumerate(value))
-            for x in value:
+            out = []
+            for i, x in enumerate(value):
+                where = items.item_loc(i) if items is not None and len(items) == len(value) else loc
+                x = self._int(x, where, attr.name, evaluated=True)
                 if x < 1:
-                    raise SpecError(loc, f"'{attr.name}' entries must be positive, got {x}")
+                    raise SpecError(where, f"'{attr.name}' entries must be positive, got {x}")
+                out.append(x)
+            value = tuple(out)
         if attr.minimum is not None and isinstance(value, (int, float)) and value < attr.minimum:
             raise SpecError(loc, f"'{attr.name}' must be at least {attr.minimum}, got {value}")
         return value
@@ -288,18 +317,22 @@ class _Builder:
     def _int(self, raw, loc: Loc, what: str, evaluated: bool = False) -> int:
         value = raw if evaluated else self.value(raw, loc)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SpecError(loc, f"'{what}' must be an integer, got {_kind(value)}")
+            got = f"the string '{_clip(value)}'" if isinstance(value, str) else _kind(value)
+            raise SpecError(loc, f"'{what}' must be an integer, got {got}",
+                            "write a number or ${expression}" if isinstance(value, str) else "")
         if isinstance(value, float):
             if not value.is_integer():
                 raise SpecError(loc, f"'{what}' must be an integer, got {value:g}", "sizes must divide evenly; use // for integer division")
             value = int(value)
+        if abs(value) > MAX_SIZE:
+            raise SpecError(loc, f"'{what}' is too large: {value:.3g}", f"at most 2**40 = {MAX_SIZE}")
         return value
 
     # -- the root --
     def _model(self, raw, loc: Loc, modules: dict):
         if not isinstance(raw, LDict):
             raise SpecError(loc, f"'model' must be a mapping with 'module' and 'inputs', got {_kind(raw)}")
-        _check_keys(raw, MODEL_KEYS, "'model'")
+        _check_keys(raw, MODEL_KEYS, "in 'model'")
         if "module" not in raw:
             raise SpecError(raw.loc, "'model' is missing 'module'", "name the root module, e.g. module: GPTModel")
         root = self._str(raw, "module")
@@ -315,7 +348,7 @@ class _Builder:
                 raise SpecError(decl.key_loc(name), f"'{name}' is not an input of module '{root}'", did_you_mean(name, want))
         for name in want:
             if name not in decl:
-                raise SpecError(raw.loc, f"root input '{name}' of module '{root}' has no declared shape",
+                raise SpecError(raw.value_loc("inputs") if "inputs" in raw else raw.loc, f"root input '{name}' of module '{root}' has no declared shape",
                                 f"add '{name}: {{shape: [micro_batch_size, seq_length], dtype: int64}}' under model.inputs")
             inputs.append(self._input(name, decl[name], decl.value_loc(name)))
         return root, inputs
@@ -323,7 +356,7 @@ class _Builder:
     def _input(self, name: str, raw, loc: Loc) -> ModelInput:
         if not isinstance(raw, LDict):
             raise SpecError(loc, f"input '{name}' must be a mapping {{shape: [...], dtype: ...}}")
-        _check_keys(raw, {"shape", "dtype"}, f"input '{name}'")
+        _check_keys(raw, {"shape", "dtype"}, f"in input '{name}'")
         if "shape" not in raw:
             raise SpecError(raw.loc, f"input '{name}' is missing 'shape'")
         shape_raw = raw["shape"]
@@ -333,6 +366,9 @@ class _Builder:
         for i, d in enumerate(shape_raw):
             dloc = shape_raw.item_loc(i)
             if isinstance(d, str) and not has_interpolation(d):
+                if not d.isidentifier() or (d not in self.config_raw and d not in self._builtins()):
+                    raise SpecError(dloc, f"shape entry '{_clip(d)}' is not a config name",
+                                    did_you_mean(d, list(self.config_raw) + list(self._builtins())))
                 d = self.lookup(d, dloc)
             d = self._int(self.value(d, dloc), dloc, "shape", evaluated=True)
             if d < 1:
@@ -351,6 +387,11 @@ _REQUIRED_HINTS = {
 }
 
 
+def _clip(text, n: int = 40) -> str:
+    text = str(text)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
 def _kind(v) -> str:
     if isinstance(v, bool):
         return "a boolean"
@@ -363,7 +404,7 @@ def _kind(v) -> str:
 def _check_keys(d: LDict, allowed, where: str) -> None:
     for key in d:
         if key not in allowed:
-            raise SpecError(d.key_loc(key), f"unknown key '{key}' in {where}", did_you_mean(key, allowed))
+            raise SpecError(d.key_loc(key), f"unknown key '{key}' {where}", did_you_mean(key, allowed))
 
 
 def _check_dataflow(m: ModuleDef) -> None:
@@ -387,7 +428,7 @@ def _check_dataflow(m: ModuleDef) -> None:
                         "add e.g. 'return y'")
     for name, sub in m.submodules.items():
         if name not in used_subs:
-            raise SpecError(sub.loc, f"submodule '{name}' is never called in {m.name}'s forward",
+            raise SpecError(sub.name_loc or sub.loc, f"submodule '{name}' is never called in {m.name}'s forward",
                             "call it in a step or remove it")
 
 
@@ -414,16 +455,26 @@ def _check_module_graph(modules: dict, root: str) -> None:
             if isinstance(sub, Ref) and sub.module not in modules:
                 raise SpecError(sub.loc, f"undefined module '{sub.module}'", did_you_mean(sub.module, modules))
     state: dict = {}
+    ops: dict = {}  # module -> ops in one instance, repeats expanded
 
     def visit(name: str, path: list, loc):
         if state.get(name) == "active":
-            raise SpecError(loc, "cycle in module references: " + " -> ".join(path + [name]))
+            raise SpecError(loc, "cycle in module references: " + " -> ".join(path + [name]),
+                            "a module cannot contain itself")
         if state.get(name) == "done":
             return
+        if len(path) >= MAX_MODULE_DEPTH:
+            raise SpecError(loc, f"modules are nested more than {MAX_MODULE_DEPTH} deep")
         state[name] = "active"
+        count = sum(len(step.targets) or 1 for step in modules[name].steps)  # builtins (+, *) count too
         for sub in modules[name].submodules.values():
             if isinstance(sub, Ref):
                 visit(sub.module, path + [name], sub.loc)
+                count += ops[sub.module] * (sub.repeat or 1)
+                if count > MAX_OPS:
+                    raise SpecError(sub.loc, f"the model expands to more than {MAX_OPS:,} ops",
+                                    "check 'repeat' and the sizes it comes from")
+        ops[name] = count
         state[name] = "done"
 
     visit(root, [], modules[root].loc)

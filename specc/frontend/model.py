@@ -52,6 +52,7 @@ class Leaf:
     attrs: dict
     attr_locs: dict
     loc: Loc
+    name_loc: Loc | None = None  # where the submodule is named
 
 
 @dataclass
@@ -61,7 +62,8 @@ class Ref:
     name: str
     module: str
     repeat: int | None
-    loc: Loc
+    loc: Loc  # of the module name it refers to
+    name_loc: Loc | None = None  # where the submodule is named
 
 
 @dataclass
