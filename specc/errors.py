@@ -42,12 +42,19 @@ class SpecError(Exception):
         self.hint = hint
 
     def format(self) -> str:
+        """One line, whatever the spec held: control characters and line breaks are escaped."""
         where = f"{self.loc}: " if self.loc is not None else ""
         hint = f" ({self.hint})" if self.hint else ""
-        return f"{where}error: {self.what}{hint}"
+        return _one_line(f"{where}error: {self.what}{hint}")
 
     def __str__(self) -> str:
         return self.format()
+
+
+def _one_line(text: str) -> str:
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def did_you_mean(word, choices) -> str:

@@ -182,7 +182,7 @@ class _Emitter:
                 comment = (f"{op.attr_name} takes an I input as R (backward: all-reduce of the input gradient, "
                            "overlapped with the weight-gradient GEMM)")
         if op.kind == "cross_entropy" and op.in_layouts and op.in_layouts[0] == SH:
-            comment = "vocab-parallel cross-entropy on sharded logits: three all-reduces of [s, b] fp32 inside"
+            comment = "vocab-parallel cross-entropy on sharded logits: two all-reduces of per-token fp32 values inside"
         line = f"{', '.join(outs)} = {call}"
         if layouts:
             line += f"  # {layouts}"

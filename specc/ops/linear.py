@@ -84,7 +84,7 @@ class Linear(OpKind):
         a = node.attrs
         args = [str(a["in_features"]), str(a["out_features"])]
         kw = [f"bias={a['bias']}"]
-        mode = a["parallel"] if ctx.tp > 1 else "none"
+        mode = a["parallel"]  # at TP=1 the same classes run with a group of one
         if mode == "row":
             return f"runtime.RowParallelLinear({', '.join(args + kw)}, tp=self.tp, init_std={a['init_std']!r})"
         tp = "self.tp" if mode == "column" else 'runtime.Group.single("tp")'

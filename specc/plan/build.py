@@ -141,6 +141,8 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
         if key in seen:  # an op called twice shares its weights
             continue
         seen.add(key)
+        if op.kind == "bias_add" and op.partial_grad:  # the row-parallel linear's bias, used on S(s)
+            partial += op.attrs["size"]
         for w in OPS[op.kind].weights(op.attrs):
             n = numel(w.shape) // (settings.tp if w.shard_dim is not None else 1)
             params += n

@@ -1,0 +1,291 @@
+"""`specc verify`: evidence that a compiled plan computes the same function as the unsharded
+model. For each setting (TP size, sequence parallelism) the compiled model runs on gloo ranks
+and is compared with the TP=1 model built from the same seed: the per-token loss at every step,
+the logits, every parameter's gradient gathered to full shape, and the weights after K Adam
+steps. The collectives the runtime really issued are counted and compared with the plan's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import re
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from . import api
+from .comm import CommCounter
+from .grads import finalize_model_grads
+from .init import gather_full
+from .parallel_state import ProcessGroups
+
+# Mutations break a compiled module on purpose, to show that verify catches each kind of bug.
+MUTATIONS = {
+    "drop-partial-grad": "forget the TP all-reduce of the first tp-partial gradient (e.g. an SP norm weight)",
+    "one-slab-segments": "shard a fused weight (QKV, gate+up) as one slab instead of per segment",
+    "drop-reduction": "replace the first reduction of partial sums by a plain split (a missing all-reduce)",
+}
+
+
+@dataclass
+class VerifyConfig:
+    spec: str
+    tps: list
+    sps: list
+    steps: int = 2
+    seed: int = 1234
+    batch: int = 2
+    overrides: dict = field(default_factory=dict)
+    lr: float = 0.1
+    tolerance: float = 1e-4  # pass: max |a - b| <= atol + tolerance * max |b|, per tensor
+    atol: float = 1e-6
+    mutate: str | None = None
+
+
+@dataclass
+class Row:
+    setting: str
+    quantity: str
+    abs_err: float
+    rel_err: float
+    ok: bool
+    detail: str = ""
+
+
+def mutate_source(source: str, mutation: str) -> str:
+    if mutation == "drop-partial-grad":
+        out, n = re.subn(r"^\s*runtime\.mark_tp_partial_grad\(.*\n", "", source, count=1, flags=re.M)
+    elif mutation == "one-slab-segments":
+        out, n = re.subn(r", segments=\[[0-9, ]+\]", "", source, count=1)
+    elif mutation == "drop-reduction":
+        out, n = re.subn(r"mappings\.(reduce_scatter_to_sequence_parallel_region|reduce_from_tensor_model_parallel_region)"
+                         r"\((\w+), self\.tp\)", lambda m: f"mappings.scatter_to_sequence_parallel_region({m.group(2)}, self.tp)"
+                         if "scatter" in m.group(1) else m.group(2), source, count=1)
+    else:
+        raise ValueError(f"unknown mutation {mutation!r}; known: {', '.join(MUTATIONS)}")
+    if n == 0:
+        raise ValueError(f"mutation {mutation!r} found nothing to break in this module")
+    return out
+
+
+# -- one process -----------------------------------------------------------------------------------
+
+def _data(cfg: VerifyConfig, seq: int, vocab: int, step: int):
+    g = torch.Generator().manual_seed(cfg.seed * 1000 + step)
+    tokens = torch.randint(0, vocab, (cfg.batch, seq), generator=g)
+    labels = torch.randint(0, vocab, (cfg.batch, seq), generator=g)
+    return tokens, labels
+
+
+def _model_inputs(spec):
+    seq = spec.inputs[0].shape[1]
+    vocab = next(op.attrs["num_embeddings"] for op in _graph_ops(spec) if op.kind == "embedding")
+    return seq, vocab
+
+
+def _graph_ops(spec):
+    from specc.pipeline import compile_graph
+
+    return list(compile_graph(spec).iter_ops())
+
+
+def _logits_module(graph):
+    """The module that produces the logits (the first input of the cross-entropy), with its layout."""
+    for op in graph.iter_ops():
+        if op.kind == "cross_entropy":
+            producer = graph.values[op.inputs[0]].producer
+            while producer and graph.ops[producer].kind == "boundary":
+                producer = graph.values[graph.ops[producer].inputs[0]].producer
+            src = graph.ops.get(producer)
+            if src is not None and src.attr_name:
+                return (f"{src.scope}.{src.attr_name}" if src.scope else src.attr_name), src.out_layouts[0]
+    return None, None
+
+
+def _run(model, pg, cfg, seq, vocab, logits_path, logits_layout, count_step: bool):
+    """K training steps; what to compare, as full tensors on every rank."""
+    captured = {}
+    if logits_path:
+        module = model.get_submodule(logits_path)
+        module.register_forward_hook(lambda m, i, o: captured.__setitem__("logits", o.detach()))
+    # SGD, not Adam: Adam divides by sqrt(v) and so blows float noise in gradients that are zero in
+    # exact arithmetic (the key bias: softmax ignores it) up to lr-sized steps on either side
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    losses, grads, counts = [], None, None
+    for step in range(cfg.steps):
+        tokens, labels = _data(cfg, seq, vocab, step)
+        with CommCounter() as counter:
+            loss = model(tokens, labels)
+            loss.mean().backward()
+            finalize_model_grads(model, pg)
+        if step == 0:
+            counts = counter.totals()
+            grads = {n: gather_full(p.grad, p, pg.tp) for n, p in model.named_parameters()}
+            logits = captured.get("logits")
+            if logits is not None and logits_layout == "S(h)" and pg.tp.size > 1:
+                from .mappings import gather_last
+                logits = gather_last(logits.contiguous(), pg.tp)
+        losses.append(loss.detach().clone())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    weights = {n: gather_full(p, p, pg.tp) for n, p in model.named_parameters()}
+    return {"loss": torch.stack(losses), "logits": logits, "grads": grads, "weights": weights, "counts": counts}
+
+
+def _compare(setting: str, ref: dict, got: dict, tol: float, atol: float) -> list:
+    rows = [_row(setting, "loss (every step)", got["loss"], ref["loss"], tol, atol)]
+    if ref["logits"] is not None and got["logits"] is not None:
+        rows.append(_row(setting, "logits", got["logits"], ref["logits"], tol, atol))
+    for what in ("grads", "weights"):
+        worst, first_bad, abs_max = 0.0, None, 0.0
+        for name, r in ref[what].items():
+            g = got[what].get(name)
+            if g is None or g.shape != r.shape:
+                first_bad = first_bad or f"{name} (missing or shape {None if g is None else tuple(g.shape)} != {tuple(r.shape)})"
+                worst = float("inf")
+                continue
+            a, rel = _errors(g, r)
+            abs_max, worst = max(abs_max, a), max(worst, rel)
+            if not _close(g, r, tol, atol) and first_bad is None:
+                first_bad = f"first diverging parameter: {name} (abs err {a:.2e}, rel err {rel:.2e})"
+        label = "gradients (all params)" if what == "grads" else f"weights after {ref['loss'].shape[0]} SGD steps"
+        rows.append(Row(setting, label, abs_max, worst, first_bad is None, first_bad or ""))
+    return rows
+
+
+def _close(got, ref, tol: float, atol: float) -> bool:
+    diff = (got.double() - ref.double()).abs().max().item()
+    return diff <= atol + tol * ref.double().abs().max().item()
+
+
+def _errors(got, ref):
+    diff = (got.double() - ref.double()).abs().max().item()
+    scale = ref.double().abs().max().item() or 1.0
+    return diff, diff / scale
+
+
+def _row(setting, quantity, got, ref, tol, atol) -> Row:
+    if got.shape != ref.shape:
+        return Row(setting, quantity, float("inf"), float("inf"), False, f"shape {tuple(got.shape)} != {tuple(ref.shape)}")
+    a, rel = _errors(got, ref)
+    return Row(setting, quantity, a, rel, _close(got, ref, tol, atol))
+
+
+def _plan_counts(graph) -> dict:
+    from specc.plan import build_plan
+
+    totals = build_plan(graph).totals
+    out = {k: (v["count"], v["bytes"]) for k, v in totals["collectives"].items() if v["count"]}
+    sync = totals["grad_sync"]["all_reduce"]
+    if sync["count"]:
+        c, b = out.get("all_reduce", (0, 0))
+        out["all_reduce"] = (c + sync["count"], b + sync["bytes"])
+    return out
+
+
+def _rank_main(rank: int, world: int, port: int, cfg: VerifyConfig, results) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        rows = _verify_all(rank, cfg)
+        results.put((rank, True, rows))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _verify_all(rank: int, cfg: VerifyConfig) -> list:
+    src, spec, graph = api.compile_source(cfg.spec, 1, False, overrides=cfg.overrides, micro_batch_size=cfg.batch)
+    seq, vocab = _model_inputs(spec)
+    path, layout = _logits_module(graph)
+    single = ProcessGroups.single()
+    ref_model = api.load_module_from_source(src, spec.name).build_model(single, seed=cfg.seed)
+    ref = _run(ref_model, single, cfg, seq, vocab, path, layout, False)
+    rows = []
+    for tp in cfg.tps:
+        for sp in (cfg.sps if tp > 1 else [False]):
+            setting = f"tp={tp} sp={'on' if sp else 'off'}"
+            pg = ProcessGroups.initialize(tp=tp)
+            try:
+                text, spec_t, graph_t = api.compile_source(cfg.spec, tp, sp, overrides=cfg.overrides,
+                                                           micro_batch_size=cfg.batch)
+                if cfg.mutate and tp > 1:
+                    text = mutate_source(text, cfg.mutate)
+                model = api.load_module_from_source(text, spec_t.name).build_model(pg, seed=cfg.seed)
+                path_t, layout_t = _logits_module(graph_t)
+                got = _run(model, pg, cfg, seq, vocab, path_t, layout_t, True)
+                rows += _compare(setting, ref, got, cfg.tolerance, cfg.atol)
+                plan = _plan_counts(graph_t)
+                measured = dict(sorted(got["counts"].items()))
+                ok = measured == dict(sorted(plan.items()))
+                rows.append(Row(setting, "collectives == plan", 0.0, 0.0, ok,
+                                _counts_text(measured) + ("" if ok else f"  (plan: {_counts_text(plan)})")))
+            finally:
+                pg.destroy()
+    return rows if rank == 0 else []
+
+
+def _counts_text(counts: dict) -> str:
+    return ", ".join(f"{k} {c}x/{b}B" for k, (c, b) in sorted(counts.items())) or "none"
+
+
+# -- the launcher ----------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def verify(cfg: VerifyConfig, timeout_s: float = 600) -> list:
+    """Run every setting on max(tps) gloo ranks; the comparison rows (from rank 0)."""
+    world = max(cfg.tps)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    rows, errors, reported = None, [], 0
+    deadline = time.monotonic() + timeout_s
+    try:
+        while reported < world and not errors:
+            try:
+                rank, ok, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    errors.append(f"rank process exited with code {dead[0].exitcode} before reporting")
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout_s:.0f} s")
+                continue
+            reported += 1
+            if not ok:
+                errors.append(f"rank {rank}:\n{payload}")
+            elif rank == 0:
+                rows = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("verify failed on a rank:\n" + "\n".join(errors))
+    return rows
+
+
+def format_table(rows: list) -> str:
+    header = ("setting", "quantity", "max abs err", "max rel err", "result", "detail")
+    table = [header] + [(r.setting, r.quantity, f"{r.abs_err:.2e}", f"{r.rel_err:.2e}", "pass" if r.ok else "FAIL",
+                         r.detail) for r in rows]
+    widths = [max(len(t[i]) for t in table) for i in range(len(header) - 1)]
+    return "\n".join(("  ".join(c.ljust(w) for c, w in zip(t, widths)) + "  " + t[-1]).rstrip() for t in table) + "\n"
