@@ -162,6 +162,41 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    tps = _int_list(args.tp_list, "--tp")
+    sps = {"on": [True], "off": [False], "both": [False, True]}[args.sp_mode]
+    located = overrides_from(args)
+    overrides = {key: value for key, value, _ in located}
+    from .frontend.model import Settings
+    from .pipeline import load_and_compile
+
+    for tp in tps:  # a bad spec or setting fails here, in one line, before any rank starts
+        for sp in sps if tp > 1 else [False]:
+            load_and_compile(args.spec, Settings(tp=tp, sp=sp, micro_batch_size=args.batch, dtype="fp32"), located)
+    from runtime.verify import VerifyConfig, format_table, verify  # imports torch: only now
+
+    cfg = VerifyConfig(spec=args.spec, tps=sorted(set([1] + tps)), sps=sps, steps=args.steps, seed=args.seed,
+                       batch=args.batch, overrides=overrides, tolerance=args.tolerance, mutate=args.mutate)
+    print(f"specc verify {args.spec}: tp {','.join(map(str, cfg.tps))}, sp {args.sp_mode}, {cfg.steps} steps, "
+          f"batch {cfg.batch}, seed {cfg.seed}" + (f", MUTATION {cfg.mutate}" if cfg.mutate else ""), flush=True)
+    rows = verify(cfg)
+    sys.stdout.write(format_table(rows))
+    failed = [r for r in rows if not r.ok]
+    settings = len({r.setting for r in rows})
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed ({settings} settings)")
+    return 1 if failed else 0
+
+
+def _int_list(text: str, flag: str) -> list:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecError(Loc(f"{flag} {text}"), "expected comma-separated integers, e.g. 1,2,4") from None
+    if not values or min(values) < 1:
+        raise SpecError(Loc(f"{flag} {text}"), "sizes must be at least 1")
+    return values
+
+
 def cmd_check(args) -> int:
     from .emit.write import check_generated
 
@@ -211,6 +246,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", default="generated", help="output root (default generated/)")
     c.add_argument("--name", default=None, help="directory name under the output root (default: the spec's name and settings)")
     c.set_defaults(func=cmd_compile)
+
+    c = sub.add_parser("verify", help="run compiled plans on gloo ranks and compare with TP=1 (imports torch)")
+    c.add_argument("spec", metavar="SPEC")
+    c.add_argument("--tp", dest="tp_list", default="1,2,4", metavar="N,N", help="TP sizes to check (default 1,2,4)")
+    c.add_argument("--sp", dest="sp_mode", choices=("on", "off", "both"), default="both",
+                   help="sequence parallelism (default both)")
+    c.add_argument("--steps", type=int, default=2, metavar="K", help="optimizer steps compared (default 2)")
+    c.add_argument("--seed", type=int, default=1234)
+    c.add_argument("--batch", type=int, default=2, metavar="B", help="micro-batch size (default 2)")
+    c.add_argument("--tolerance", type=float, default=1e-4, help="relative tolerance per tensor (default 1e-4)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--mutate", default=None, metavar="NAME",
+                   help="break the compiled module on purpose (drop-partial-grad, one-slab-segments, drop-reduction)")
+    for key, flag in MEGATRON_CONFIG_FLAGS.items():
+        c.add_argument(flag, dest=f"cfg_{key}", type=int, default=None, help=argparse.SUPPRESS)
+    c.set_defaults(func=cmd_verify)
 
     c = sub.add_parser("check", help="fail with a diff when generated/ is stale")
     c.add_argument("generated", nargs="?", default="generated", help="the generated root (default generated/)")
