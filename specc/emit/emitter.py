@@ -164,9 +164,8 @@ class _Emitter:
         layouts = f"{','.join(op.in_layouts)} -> {','.join(op.out_layouts)}" if self.tp > 1 else ""
         if op.kind == "boundary":
             b = op.boundary
-            src = g.values[op.inputs[0]]
             suffix = _SUFFIX[b.dst]
-            out = names.bind(op.outputs[0], src.name, index, last_use, suffix)
+            out = names.bind(op.outputs[0], args[0], index, last_use, suffix)
             extra = f", {b.kwargs}" if b.kwargs else ""
             comment = f"{b.src} -> {b.dst}: forward {_COLL[b.forward]}, backward {_COLL[b.backward]}"
             return f"{out} = mappings.{b.function}({args[0]}, self.tp{extra})", comment, True

@@ -188,8 +188,9 @@ def _insert_path(g: Graph, value: Value, want: str, scope: str, before, ctx: Ctx
     """Insert the boundaries from value's layout to `want` before op `before`; the last value's id."""
     anchor = at or g.ops[value.producer]
     current = value
+    label = _local_name(g, value, scope)
     for boundary in conversion_path(value.layout, want):
-        bid = g.unique_id(f"{scope + '.' if scope else ''}{current.name}:{boundary.src}->{boundary.dst}")
+        bid = g.unique_id(f"{scope + '.' if scope else ''}{label}:{boundary.src}->{boundary.dst}")
         out = g.add_value(Value(bid, current.name, current.shape, current.dtype, bid, boundary.dst, current.segments))
         b = Op(bid, "boundary", {}, [current.id], [out.id], scope, g.scopes[scope], None, anchor.step, anchor.loc,
                impl="native", boundary=boundary, in_layouts=[boundary.src], out_layouts=[boundary.dst])
@@ -199,6 +200,17 @@ def _insert_path(g: Graph, value: Value, want: str, scope: str, before, ctx: Ctx
         current = out
     converted[(value.id, want, scope)] = current.id
     return current.id
+
+
+def _local_name(g: Graph, value: Value, scope: str) -> str:
+    """The name `scope` knows a value by: a child module's result is named by the call's target."""
+    for callee, (_, outs) in g.calls.items():
+        parent = callee.rsplit(".", 1)[0] if "." in callee else ""
+        if callee and parent == scope and callee not in g.repeats and value.id in outs:
+            return g.call_names[callee][outs.index(value.id)]
+        if callee in g.repeats and (callee.rsplit(".", 1)[0] if "." in callee else "") == scope and value.id in outs:
+            return g.call_names[callee][outs.index(value.id)]
+    return value.name
 
 
 def _set_outputs(g: Graph, op: Op, ctx: Ctx) -> None:
