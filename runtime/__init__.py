@@ -1,6 +1,7 @@
 """specc runtime: what generated modules import to run tensor/sequence parallel."""
 
 from .activations import gelu, split, swiglu
+from .api import build_model
 from .comm import CommCounter, CommRecord, all_gather_into_tensor, all_reduce, reduce_scatter_tensor
 from .cross_entropy import vocab_parallel_cross_entropy
 from .grads import finalize_model_grads, is_tp_partial_grad, mark_tp_partial_grad
@@ -29,6 +30,7 @@ from .parallel_state import Group, ProcessGroups
 from .random import RNGTracker
 
 __all__ = [
+    "build_model",
     "Group",
     "ProcessGroups",
     "all_reduce",
