@@ -10,7 +10,7 @@ import keyword
 import re
 
 from ..errors import Loc, SpecError
-from .expr import char_col, error_col, syntax_message
+from .expr import char_col, error_col, parse_python, syntax_message
 from .model import Expr, Step
 
 # names the generated code uses itself; a spec variable may not shadow them
@@ -69,7 +69,7 @@ def _parse_step(stripped: str, at: Loc) -> Step:
             returns.append(n.id)
         return Step([], None, returns, stripped, at)
     try:
-        tree = ast.parse(stripped, mode="exec")
+        tree = parse_python(stripped, "exec")
     except SyntaxError as e:
         _keyword_as_name(stripped, at)
         raise SpecError(at.shifted(error_col(stripped, e)), f"bad step '{_clip(stripped)}': {syntax_message(e)}",
@@ -112,7 +112,7 @@ def _parse(source: str, loc: Loc):
     if not source:
         raise SpecError(loc, "return needs a value", "write 'return y'")
     try:
-        return ast.parse(source, mode="eval").body
+        return parse_python(source, "eval").body
     except SyntaxError as e:
         _keyword_as_name(source, loc)
         raise SpecError(loc.shifted(error_col(source, e)), f"bad return value '{_clip(source)}': {syntax_message(e)}",

@@ -10,6 +10,7 @@ import ast
 import math
 import operator
 import re
+import warnings
 
 from ..errors import Loc, SpecError, did_you_mean
 
@@ -74,7 +75,7 @@ def evaluate(source: str, loc: Loc, lookup):
     lead = len(source) - len(source.lstrip())
     text = source.strip()
     try:
-        tree = ast.parse(text, mode="eval")
+        tree = parse_python(text, "eval")
     except SyntaxError as e:
         raise SpecError(loc.shifted(lead + error_col(text, e)), f"bad expression '{text}': {syntax_message(e)}", HINT) from None
     except ValueError as e:  # e.g. a NUL character
@@ -85,6 +86,14 @@ def evaluate(source: str, loc: Loc, lookup):
         return _Eval(loc.shifted(lead), lookup, text).visit(tree.body)
     except RecursionError:
         raise SpecError(loc.shifted(lead), "expression is nested too deeply", "split it into several config values") from None
+
+
+def parse_python(text: str, mode: str):
+    """`ast.parse`, silently: Python warns on stderr about text such as `1if x` and a spec's
+    errors must stay one line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ast.parse(text, mode=mode)
 
 
 def syntax_message(e: SyntaxError) -> str:
