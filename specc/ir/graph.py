@@ -118,7 +118,13 @@ class Graph:
         self._link(value_id, op.id)
 
     def consumers(self, value_id: str) -> list:
-        return [o for o in self.iter_ops() if value_id in o.inputs] + (["<output>"] if value_id in self.outputs else [])
+        """The ops that read a value (and "<output>" if the model returns it)."""
+        producer = self.values[value_id].producer
+        if producer is None:
+            users = [o for o in self.iter_ops() if value_id in o.inputs]
+        else:
+            users = [self.ops[s] for s in self.nx.successors(producer) if value_id in self.ops[s].inputs]
+        return users + (["<output>"] if value_id in self.outputs else [])
 
     def iter_ops(self):
         return (self.ops[i] for i in self.order)

@@ -20,12 +20,19 @@ def available(backend: str) -> bool:
 
 
 def resolve(graph, settings, have=available) -> None:
+    cache: dict = {}
+
+    def have_cached(backend: str) -> bool:  # one importlib lookup per backend, not per op
+        if backend not in cache:
+            cache[backend] = have(backend)
+        return cache[backend]
+
     for op in graph.iter_ops():
         kind = OPS[op.kind]
         requested = op.impl if op.impl not in ("", "auto") else settings.backend
         pinned = op.impl not in ("", "auto")
         where = op.attr_locs.get("impl", op.loc) if pinned else Loc("--backend")
-        op.impl, op.impl_reason = _choose(kind, requested, pinned, where, op.id, have)
+        op.impl, op.impl_reason = _choose(kind, requested, pinned, where, op.id, have_cached)
 
 
 def _choose(kind, requested: str, pinned: bool, where, op_id: str, have):
