@@ -59,7 +59,8 @@ class Row:
     detail: str = ""
 
 
-def mutate_source(source: str, mutation: str) -> str:
+def mutate_source(source: str, mutation: str):
+    """(broken source, whether the mutation found something to break)."""
     if mutation == "drop-partial-grad":
         out, n = re.subn(r"^\s*runtime\.mark_tp_partial_grad\(.*\n", "", source, count=1, flags=re.M)
     elif mutation == "one-slab-segments":
@@ -70,9 +71,7 @@ def mutate_source(source: str, mutation: str) -> str:
                          if "scatter" in m.group(1) else m.group(2), source, count=1)
     else:
         raise ValueError(f"unknown mutation {mutation!r}; known: {', '.join(MUTATIONS)}")
-    if n == 0:
-        raise ValueError(f"mutation {mutation!r} found nothing to break in this module")
-    return out
+    return out, n > 0
 
 
 # -- one process -----------------------------------------------------------------------------------
@@ -109,7 +108,56 @@ def _logits_module(graph):
     return None, None
 
 
-def _run(model, pg, cfg, seq, vocab, logits_path, logits_layout, count_step: bool):
+def _activation_sites(graph) -> list:
+    """(module path, output layout) of every op that is a module, in execution order."""
+    sites, seen = [], set()
+    for op in graph.iter_ops():
+        if op.attr_name and op.kind not in ("boundary", "bias_add"):
+            path = f"{op.scope}.{op.attr_name}" if op.scope else op.attr_name
+            if path not in seen:
+                seen.add(path)
+                sites.append((path, (op.out_layouts[0], graph.values[op.outputs[0]].segments)))
+    return sites
+
+
+def _full_activation(t, site, tp):
+    from .mappings import gather_dim0, gather_last
+
+    layout, segments = site
+    t = t.detach().contiguous()
+    if tp.size == 1 or layout in ("I", "R"):
+        return t.clone()
+    if layout == "S(s)":
+        return gather_dim0(t, tp)
+    if layout == "S(h)":
+        full = gather_last(t, tp)
+        if len(segments) < 2:
+            return full
+        # each rank holds a slice of every segment: regroup [q0 k0 v0 | q1 k1 v1] as [q0 q1 | k0 k1 | v0 v1]
+        per_rank = [c.split([n // tp.size for n in segments], dim=-1) for c in full.chunk(tp.size, dim=-1)]
+        return torch.cat([per_rank[r][i] for i in range(len(segments)) for r in range(tp.size)], dim=-1)
+    out = t.clone()  # P: the true value is the sum over ranks
+    from .comm import all_reduce
+    all_reduce(out, tp)
+    return out
+
+
+def _capture(model, sites):
+    """Forward hooks recording each op module's outputs (a list: a module may run twice)."""
+    store, handles = {}, []
+    for path, _ in sites:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        def hook(m, i, o, path=path):
+            if isinstance(o, torch.Tensor):
+                store.setdefault(path, []).append(o)
+        handles.append(module.register_forward_hook(hook))
+    return store, handles
+
+
+def _run(model, pg, cfg, seq, vocab, logits_path, logits_layout, sites):
     """K training steps; what to compare, as full tensors on every rank."""
     captured = {}
     if logits_path:
@@ -119,12 +167,19 @@ def _run(model, pg, cfg, seq, vocab, logits_path, logits_layout, count_step: boo
     # exact arithmetic (the key bias: softmax ignores it) up to lr-sized steps on either side
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     losses, grads, counts = [], None, None
+    activations = {}
     for step in range(cfg.steps):
         tokens, labels = _data(cfg, seq, vocab, step)
+        store, handles = _capture(model, sites) if step == 0 else ({}, [])
         with CommCounter() as counter:
             loss = model(tokens, labels)
+            for h in handles:
+                h.remove()
             loss.mean().backward()
             finalize_model_grads(model, pg)
+        layouts = dict(sites)
+        for path, outs in store.items():
+            activations[path] = [_full_activation(o, layouts[path], pg.tp) for o in outs]
         if step == 0:
             counts = counter.totals()
             grads = {n: gather_full(p.grad, p, pg.tp) for n, p in model.named_parameters()}
@@ -136,13 +191,15 @@ def _run(model, pg, cfg, seq, vocab, logits_path, logits_layout, count_step: boo
         opt.step()
         opt.zero_grad(set_to_none=True)
     weights = {n: gather_full(p, p, pg.tp) for n, p in model.named_parameters()}
-    return {"loss": torch.stack(losses), "logits": logits, "grads": grads, "weights": weights, "counts": counts}
+    return {"loss": torch.stack(losses), "logits": logits, "grads": grads, "weights": weights, "counts": counts,
+            "activations": activations}
 
 
 def _compare(setting: str, ref: dict, got: dict, tol: float, atol: float) -> list:
     rows = [_row(setting, "loss (every step)", got["loss"], ref["loss"], tol, atol)]
     if ref["logits"] is not None and got["logits"] is not None:
         rows.append(_row(setting, "logits", got["logits"], ref["logits"], tol, atol))
+    rows.append(_compare_activations(setting, ref["activations"], got["activations"], tol, atol))
     for what in ("grads", "weights"):
         worst, first_bad, abs_max = 0.0, None, 0.0
         for name, r in ref[what].items():
@@ -158,6 +215,23 @@ def _compare(setting: str, ref: dict, got: dict, tol: float, atol: float) -> lis
         label = "gradients (all params)" if what == "grads" else f"weights after {ref['loss'].shape[0]} SGD steps"
         rows.append(Row(setting, label, abs_max, worst, first_bad is None, first_bad or ""))
     return rows
+
+
+def _compare_activations(setting, ref: dict, got: dict, tol: float, atol: float) -> Row:
+    """Every op module's output, in execution order; names the first one that diverges."""
+    worst_abs, worst_rel, first_bad = 0.0, 0.0, None
+    for path, ref_outs in ref.items():
+        for i, r in enumerate(ref_outs):
+            outs = got.get(path, [])
+            g = outs[i] if i < len(outs) else None
+            if g is None or g.shape != r.shape:
+                first_bad = first_bad or f"first diverging activation: {path} (missing or shape differs)"
+                continue
+            a, rel = _errors(g, r)
+            worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, rel)
+            if first_bad is None and not _close(g, r, tol, atol):
+                first_bad = f"first diverging activation: output of {path} (abs err {a:.2e}, rel err {rel:.2e})"
+    return Row(setting, f"activations ({len(ref)} op outputs)", worst_abs, worst_rel, first_bad is None, first_bad or "")
 
 
 def _close(got, ref, tol: float, atol: float) -> bool:
@@ -209,7 +283,7 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
     path, layout = _logits_module(graph)
     single = ProcessGroups.single()
     ref_model = api.load_module_from_source(src, spec.name).build_model(single, seed=cfg.seed)
-    ref = _run(ref_model, single, cfg, seq, vocab, path, layout, False)
+    ref = _run(ref_model, single, cfg, seq, vocab, path, layout, _activation_sites(graph))
     rows = []
     for tp in cfg.tps:
         for sp in (cfg.sps if tp > 1 else [False]):
@@ -219,10 +293,13 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
                 text, spec_t, graph_t = api.compile_source(cfg.spec, tp, sp, overrides=cfg.overrides,
                                                            micro_batch_size=cfg.batch)
                 if cfg.mutate and tp > 1:
-                    text = mutate_source(text, cfg.mutate)
+                    text, applied = mutate_source(text, cfg.mutate)
+                    if not applied:
+                        rows.append(Row(setting, f"mutation {cfg.mutate}", 0.0, 0.0, True, "nothing to break here; skipped"))
+                        continue
                 model = api.load_module_from_source(text, spec_t.name).build_model(pg, seed=cfg.seed)
                 path_t, layout_t = _logits_module(graph_t)
-                got = _run(model, pg, cfg, seq, vocab, path_t, layout_t, True)
+                got = _run(model, pg, cfg, seq, vocab, path_t, layout_t, _activation_sites(graph_t))
                 rows += _compare(setting, ref, got, cfg.tolerance, cfg.atol)
                 plan = _plan_counts(graph_t)
                 measured = dict(sorted(got["counts"].items()))
