@@ -283,7 +283,8 @@ class _Builder:
             value = self._int(value, loc, attr.name, evaluated=True)
         elif attr.type == "float":
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise SpecError(loc, f"'{attr.name}' must be a number, got {_kind(value)}")
+                got = f"the string '{_clip(value)}'" if isinstance(value, str) else _kind(value)
+                raise SpecError(loc, f"'{attr.name}' must be a number, got {got}", _number_hint(value))
             value = float(value)
             if not math.isfinite(value):
                 raise SpecError(loc, f"'{attr.name}' must be a finite number, got {value}")
@@ -318,8 +319,7 @@ class _Builder:
         value = raw if evaluated else self.value(raw, loc)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             got = f"the string '{_clip(value)}'" if isinstance(value, str) else _kind(value)
-            raise SpecError(loc, f"'{what}' must be an integer, got {got}",
-                            "write a number or ${expression}" if isinstance(value, str) else "")
+            raise SpecError(loc, f"'{what}' must be an integer, got {got}", _number_hint(value))
         if isinstance(value, float):
             if not value.is_integer():
                 raise SpecError(loc, f"'{what}' must be an integer, got {value:g}", "sizes must divide evenly; use // for integer division")
@@ -385,6 +385,20 @@ _REQUIRED_HINTS = {
     "model": "add 'model: {module: RootModule, inputs: {...}}'",
     "modules": "add 'modules:' with at least the root module",
 }
+
+
+def _number_hint(value) -> str:
+    if not isinstance(value, str):
+        return ""
+    try:
+        float(value)
+    except ValueError:
+        return "write a number or ${expression}"
+    if getattr(value, "quoted", False):
+        return "write it without quotes"
+    if "e" in value.lower():  # YAML 1.1 floats need a dot and a signed exponent
+        return f"YAML reads '{value}' as a string: write exponents with a dot and a sign, e.g. 1.0e-5 or 6.4e+1"
+    return "write a number or ${expression}"
 
 
 def _clip(text, n: int = 40) -> str:

@@ -242,3 +242,13 @@ def test_the_expanded_model_size_is_bounded(error):
 
 def test_settings_describe():
     assert Settings(tp=2, sp=True).describe() == ("tp=2 sp=on backend=auto micro_batch_size=1 dtype=bf16 fuse=on")
+
+
+@pytest.mark.parametrize("value, hint", [
+    ("1e-1", "YAML reads '1e-1' as a string: write exponents with a dot and a sign, e.g. 1.0e-5 or 6.4e+1"),
+    ('"0.1"', "write it without quotes"),
+    ("small", "write a number or ${expression}"),
+])
+def test_numbers_that_yaml_reads_as_strings(error, value, hint):
+    e = error(BASE.replace("act: {op: gelu}", f"act: {{op: dropout, p: {value}}}"))
+    assert e.what.startswith("'p' must be a number, got the string") and e.hint == hint
