@@ -28,9 +28,14 @@ from .mappings import (
 )
 from .parallel_state import Group, ProcessGroups
 from .random import RNGTracker
+from .te import TEColumnParallelLinear, TELayerNorm, TERMSNorm, TERowParallelLinear
 
 __all__ = [
     "build_model",
+    "TEColumnParallelLinear",
+    "TERowParallelLinear",
+    "TELayerNorm",
+    "TERMSNorm",
     "Group",
     "ProcessGroups",
     "all_reduce",

@@ -85,8 +85,9 @@ class Linear(OpKind):
         args = [str(a["in_features"]), str(a["out_features"])]
         kw = [f"bias={a['bias']}"]
         mode = a["parallel"]  # at TP=1 the same classes run with a group of one
+        te = "TE" if node.impl == "te" else ""  # TE kernels behind the same contract (runtime/te.py)
         if mode == "row":
-            return f"runtime.RowParallelLinear({', '.join(args + kw)}, tp=self.tp, init_std={a['init_std']!r})"
+            return f"runtime.{te}RowParallelLinear({', '.join(args + kw)}, tp=self.tp, init_std={a['init_std']!r})"
         tp = "self.tp" if mode == "column" else 'runtime.Group.single("tp")'
         if a.get("segments") and mode == "column":
             kw.append(f"segments={list(a['segments'])}")
@@ -94,7 +95,7 @@ class Linear(OpKind):
             kw.append(f'input_mode="{node.absorbed[0].mode}"')
         if node.tied_to:
             kw.append(f"weight={node.tied_expr}")
-        return f"runtime.ColumnParallelLinear({', '.join(args + kw)}, tp={tp}, init_std={a['init_std']!r})"
+        return f"runtime.{te}ColumnParallelLinear({', '.join(args + kw)}, tp={tp}, init_std={a['init_std']!r})"
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({args[0]})"

@@ -26,7 +26,8 @@ class _Norm(OpKind):
         return [(node.inputs[0], numel(local_in[0]) * elt)]
 
     def constructor(self, node, ctx):
-        return f"runtime.{self.runtime_class}({node.attrs['hidden_size']}, eps={node.attrs['eps']!r})"
+        te = "TE" if node.impl == "te" else ""
+        return f"runtime.{te}{self.runtime_class}({node.attrs['hidden_size']}, eps={node.attrs['eps']!r})"
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({args[0]})"

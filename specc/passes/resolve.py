@@ -33,6 +33,11 @@ def resolve(graph, settings, have=available) -> None:
         pinned = op.impl not in ("", "auto")
         where = op.attr_locs.get("impl", op.loc) if pinned else Loc("--backend")
         op.impl, op.impl_reason = _choose(kind, requested, pinned, where, op.id, have_cached)
+        if op.impl == "te" and op.attrs.get("tie"):  # te.Linear owns its weight: it cannot borrow one
+            if pinned:
+                raise SpecError(where, f"{op.id}: a layer with a tied weight cannot use impl 'te'",
+                                "use impl: native (or auto) on it")
+            op.impl, op.impl_reason = "native", "tied weight: te.Linear cannot share the embedding's weight"
 
 
 def _choose(kind, requested: str, pinned: bool, where, op_id: str, have):
@@ -49,7 +54,7 @@ def _choose(kind, requested: str, pinned: bool, where, op_id: str, have):
         if pinned:
             raise SpecError(where, f"{op_id}: op '{kind.name}' has no '{requested}' implementation")
         return "native", f"--backend {requested}: no {requested} implementation of {kind.name}"
-    if not have(requested):
+    if requested in PACKAGES and not have(requested):
         raise SpecError(where, f"{op_id}: implementation '{requested}' was asked for but {PACKAGES[requested]} is not installed",
                         INSTALL[requested])
     return requested, f"{source}: {requested}"

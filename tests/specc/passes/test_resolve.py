@@ -1,0 +1,82 @@
+"""Backend resolution: auto picks TransformerEngine where the target has it, never silently falls
+back when te is asked for, and says why each choice was made."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from specc.emit import emit_model
+from specc.errors import SpecError
+from specc.frontend.load import load_spec
+from specc.frontend.model import Settings
+from specc.pipeline import compile_graph
+from specc.plan import build_plan, plan_json
+
+SPECS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "specs")
+
+
+def compile_with(name, have, **settings):
+    return compile_graph(load_spec(os.path.join(SPECS, name), Settings(**settings)), have=have)
+
+
+def test_auto_without_te_is_native_and_says_why():
+    g = compile_with("gpt-tiny.yaml", have=lambda b: False, tp=2)
+    qkv = g.ops["layers.0.self_attention.linear_qkv"]
+    assert qkv.impl == "native" and qkv.impl_reason == "auto: transformer_engine not installed"
+    attn = g.ops["layers.0.self_attention.core_attention"]
+    assert attn.impl == "native" and "flash_attn" in attn.impl_reason
+    assert g.ops["layers.0.mlp.activation"].impl_reason == "auto: only a native implementation"
+
+
+def test_auto_with_te_uses_it_where_it_exists():
+    g = compile_with("gpt-tiny.yaml", have=lambda b: b == "te", tp=2, sp=True)
+    assert g.ops["layers.0.self_attention.linear_qkv"].impl == "te"
+    assert g.ops["layers.0.input_layernorm"].impl == "te"
+    assert g.ops["layers.0.self_attention.core_attention"].impl == "te"
+    assert g.ops["layers.0.mlp.activation"].impl == "native"
+    out = g.ops["output_layer"]  # tied to the embedding: stays native, with the reason
+    assert out.impl == "native" and "tied weight" in out.impl_reason
+    code = emit_model(g, "x")
+    assert "runtime.TEColumnParallelLinear(64, 192" in code and "runtime.TELayerNorm(64" in code
+    assert 'backend="te"' in code
+    assert "runtime.ColumnParallelLinear(64, 256, bias=False" in code  # the tied output layer
+    assert '"impl": "te"' in plan_json(build_plan(g))
+
+
+def test_flash_for_attention_when_only_flash_is_there():
+    g = compile_with("llama-tiny.yaml", have=lambda b: b == "flash", tp=2)
+    assert g.ops["layers.0.self_attention.core_attention"].impl == "flash"
+    assert 'backend="flash"' in emit_model(g, "x")
+
+
+def test_asking_for_te_where_it_is_missing_is_an_error():
+    with pytest.raises(SpecError) as e:
+        compile_with("gpt-tiny.yaml", have=lambda b: False, tp=2, backend="te")
+    assert "transformer_engine is not installed" in e.value.what and "specc[te]" in e.value.hint
+    assert str(e.value.loc) == "--backend"
+
+
+def test_pinning_te_on_a_tied_layer_is_an_error(tmp_path):
+    spec = tmp_path / "pin.yaml"
+    spec.write_text(f"name: pin\nextends: {os.path.join(SPECS, 'gpt-tiny.yaml')}\n"
+                    "modules:\n  GPTModel:\n    submodules:\n      output_layer: {impl: te}\n")
+    with pytest.raises(SpecError) as e:
+        compile_graph(load_spec(str(spec), Settings(tp=2)), have=lambda b: True)
+    assert "tied weight cannot use impl 'te'" in e.value.what
+    assert e.value.loc.path == str(spec) and e.value.loc.line == 6
+
+
+def test_te_classes_fail_clearly_without_transformer_engine():
+    torch = pytest.importorskip("torch")  # noqa: F841
+    import importlib.util
+
+    import runtime
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("TransformerEngine is installed here")
+    with pytest.raises(ImportError, match="recompile with --backend native"):
+        runtime.TEColumnParallelLinear(8, 8, tp=runtime.Group.single("tp"))
+    with pytest.raises(ImportError, match="TransformerEngine"):
+        runtime.TERMSNorm(8)
