@@ -22,10 +22,15 @@ def is_tp_partial_grad(param: torch.nn.Parameter) -> bool:
     return getattr(param, _TP_PARTIAL_ATTR, False)
 
 
-def finalize_model_grads(model: torch.nn.Module, pg: ProcessGroups) -> None:
+def finalize_model_grads(model: torch.nn.Module, pg: ProcessGroups, ddp=None) -> None:
+    """After backward, before the optimizer step. With a DistributedDataParallel `ddp`, the
+    gradients live in its fp32 `main_grad` buffer: first wait for its data-parallel reductions
+    (started in buckets during backward; they write the same memory the TP sums below read),
+    then sum the TP-partial gradients. The two sums commute, so the order is free. A tied
+    embedding/output weight is one Parameter with one gradient: nothing to sync."""
+    if ddp is not None:
+        ddp.finish_grad_sync()
     _allreduce_tp_partial_grads(model, pg.tp)
-    # Data-parallel gradient reduction (DDP buckets / distributed optimizer)
-    # belongs here, after the tensor-parallel sums.
 
 
 def _allreduce_tp_partial_grads(model: torch.nn.Module, tp: Group) -> None:
@@ -41,12 +46,20 @@ def _allreduce_tp_partial_grads(model: torch.nn.Module, tp: Group) -> None:
         group = by_dtype[dtype]
         # A parameter with no gradient on this rank contributes zeros, so every
         # rank reduces the same buffer size and none waits on a mismatch.
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
+        grads = [_grad_of(p) for p in group]
         flat = torch.cat([g.reshape(-1) for g in grads])
         comm.all_reduce(flat, tp)
         for p, reduced in zip(group, flat.split([g.numel() for g in grads])):
             reduced = reduced.view_as(p)
-            if p.grad is None:
+            if hasattr(p, "main_grad"):  # DistributedDataParallel's fp32 buffer
+                p.main_grad.copy_(reduced)
+            elif p.grad is None:
                 p.grad = reduced.clone()
             else:
                 p.grad.copy_(reduced)
+
+
+def _grad_of(p: torch.nn.Parameter) -> torch.Tensor:
+    if hasattr(p, "main_grad"):
+        return p.main_grad
+    return p.grad if p.grad is not None else torch.zeros_like(p)

@@ -1,0 +1,199 @@
+"""Data parallelism: gradients reduced over the data-parallel group in buckets, overlapped with
+the backward pass (Megatron's DistributedDataParallel idea, written small).
+
+Every trainable parameter's storage is moved into one flat parameter buffer, and it gets a
+`main_grad`: a view of one flat fp32 gradient buffer with the same layout. Parameters are laid
+out in reverse registration order (roughly the order backward produces their gradients) and
+grouped into buckets of about `bucket_size` elements; a parameter is never split between
+buckets, and each bucket is padded to a multiple of the DP size so that it divides into equal
+shards for a reduce-scatter.
+
+During backward, a post-accumulate-grad hook adds each parameter's `.grad` into its
+`main_grad` (accumulating in fp32 across micro-batches, whatever the parameter dtype) and drops
+`.grad`. On the last micro-batch (outside `no_sync()`), once every parameter of a bucket has its
+gradient, the bucket's reduction starts asynchronously while backward goes on with earlier
+layers. Buckets start strictly in index order, so every rank issues the same collectives in the
+same order. The gradients are averaged: each bucket is scaled by 1/DP before the sum.
+
+`grad_reduce="all_reduce"` leaves the full averaged gradient on every rank (the replicated
+optimizer); `"reduce_scatter"` leaves each rank only its shard of every bucket (the distributed
+optimizer steps on that shard and all-gathers the parameters back into the parameter buffer).
+
+A tied weight (word embedding and output layer) is one Parameter used twice: autograd sums both
+uses into its one `.grad` before the hook runs, so it is reduced once and stays tied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import comm
+from .parallel_state import ProcessGroups
+
+GRAD_REDUCE_MODES = ("all_reduce", "reduce_scatter")
+
+
+@dataclass
+class Bucket:
+    index: int
+    start: int  # offsets into the flat buffers; end - start is a multiple of the DP size
+    end: int
+    params: list = field(default_factory=list)
+    pending: int = 0  # parameters whose gradient has not arrived in this synchronized backward
+    launched: bool = False
+    handle: object = None
+    shard_out: torch.Tensor | None = None  # reduce-scatter output, copied into the buffer on finish
+
+    def shard_range(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
+        size = (self.end - self.start) // dp_size
+        return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
+
+
+class DistributedDataParallel(nn.Module):
+    def __init__(self, module: nn.Module, pg: ProcessGroups, *, bucket_size: int = 4_000_000,
+                 grad_reduce: str = "all_reduce", overlap_grad_reduce: bool = True):
+        super().__init__()
+        if grad_reduce not in GRAD_REDUCE_MODES:
+            raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_MODES}, got {grad_reduce!r}")
+        if bucket_size < 1:
+            raise ValueError(f"bucket_size must be at least 1, got {bucket_size}")
+        self.module = module
+        self.pg = pg
+        self.dp = pg.dp
+        self.grad_reduce = grad_reduce
+        self.overlap_grad_reduce = overlap_grad_reduce
+        params = [p for p in module.parameters() if p.requires_grad]  # a shared parameter once
+        if not params:
+            raise ValueError("the module has no trainable parameters")
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"all parameters must share one dtype and device, got {dtypes} on {devices}")
+        self.param_dtype = params[0].dtype
+        device = params[0].device
+
+        # Layout: reverse registration order, buckets of about bucket_size, padded to DP.
+        self.params = list(reversed(params))
+        self.buckets: list[Bucket] = []
+        self.param_range: dict[nn.Parameter, tuple[int, int]] = {}
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        offset = 0
+        current = Bucket(index=0, start=0, end=0)
+        for p in self.params:
+            self.param_range[p] = (offset, offset + p.numel())
+            current.params.append(p)
+            self._bucket_of[p] = current
+            offset += p.numel()
+            if offset - current.start >= bucket_size:
+                offset = self._close(current, offset)
+                current = Bucket(index=len(self.buckets), start=offset, end=offset)
+        if current.params:
+            offset = self._close(current, offset)
+        self.numel = offset
+
+        self.param_buffer = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+        self.grad_buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for p in self.params:
+                lo, hi = self.param_range[p]
+                view = self.param_buffer[lo:hi].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+                p.main_grad = self.grad_buffer[lo:hi].view_as(p)
+                p.grad = None
+        self._sync = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+        self._next_launch = 0
+        self._reset_buckets()
+
+    def _close(self, bucket: Bucket, offset: int) -> int:
+        padded = bucket.start + -(-(offset - bucket.start) // self.dp.size) * self.dp.size
+        bucket.end = padded
+        self.buckets.append(bucket)
+        return padded
+
+    # -- the forward is the module's ---------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # -- backward: hooks and buckets ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients (micro-batches before the last) without reducing them."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        bucket = self._bucket_of[p]
+        if bucket.launched:
+            raise RuntimeError("a gradient arrived for a bucket that is already being reduced: run every "
+                               "micro-batch but the last under ddp.no_sync(), and call finish_grad_sync() "
+                               "(finalize_model_grads) once per step")
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        if self._sync:
+            bucket.pending -= 1
+            if self.overlap_grad_reduce:
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending <= 0:
+            self._launch(self.buckets[self._next_launch])
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.launched = True
+        self._next_launch = bucket.index + 1
+        if self.dp.size == 1:
+            return
+        flat = self.grad_buffer[bucket.start:bucket.end]
+        flat.mul_(1.0 / self.dp.size)
+        if self.grad_reduce == "all_reduce":
+            bucket.handle = comm.all_reduce(flat, self.dp, async_op=True)
+        else:
+            bucket.shard_out = torch.empty((bucket.end - bucket.start) // self.dp.size, dtype=flat.dtype,
+                                           device=flat.device)
+            bucket.handle = comm.reduce_scatter_tensor(bucket.shard_out, flat, self.dp, async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Start the buckets not yet started (all of them without overlap; those holding a
+        parameter that got no gradient), then wait for every reduction."""
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+            if bucket.shard_out is not None:
+                lo, hi = bucket.shard_range(self.dp.rank, self.dp.size)
+                self.grad_buffer[lo:hi].copy_(bucket.shard_out)
+        self._reset_buckets()
+
+    def _reset_buckets(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+            bucket.launched = False
+            bucket.handle = None
+            bucket.shard_out = None
+        self._next_launch = 0
+
+    def zero_grad_buffer(self) -> None:
+        """Start a new step: zero the fp32 gradients (and any stray .grad)."""
+        self.grad_buffer.zero_()
+        for p in self.params:
+            p.grad = None
+        self._reset_buckets()
+
+    def grad_shard_ranges(self) -> list[tuple[int, int]]:
+        """The buffer ranges whose reduced gradient this rank holds after finish_grad_sync."""
+        if self.grad_reduce == "all_reduce":
+            return [(b.start, b.end) for b in self.buckets]
+        return [b.shard_range(self.dp.rank, self.dp.size) for b in self.buckets]

@@ -1,0 +1,171 @@
+"""AdamW over a DistributedDataParallel's flat buffers, replicated or distributed.
+
+Replicated: every data-parallel rank holds Adam state (and, for low-precision parameters, fp32
+master weights) for every element, and steps all of it on the all-reduced gradient.
+
+Distributed (`distributed=True`, Megatron's --use-distributed-optimizer, ZeRO-1): each rank
+holds state and master weights for its 1/DP shard of every bucket only; the DDP reduce-scatters
+the gradients, each rank steps its shard, and the updated parameters are all-gathered back into
+every rank's parameter buffer. The update is elementwise, so both follow the same math step for
+step; only the memory differs (state per rank / DP).
+
+Master weights: when the parameters are fp32 the parameter buffer itself is the master copy
+(updated in place); when they are bf16/fp16 the optimizer keeps fp32 master weights for the
+elements it owns and copies them into the parameters after each step.
+
+Gradient clipping uses the global L2 norm over TP and DP, each parameter counted once: a
+TP-sharded parameter's shards are summed over the TP group; a replicated parameter (identical on
+every TP rank after finalize_model_grads) is counted on TP rank 0 only; with the distributed
+optimizer the DP shards are summed over the DP group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import comm
+from ..ddp import DistributedDataParallel
+from ..parallel_state import ProcessGroups
+
+
+@dataclass
+class _Segment:
+    offset: int  # within the owned range
+    length: int
+    decay: bool  # weight decay applies (matrices; not biases or norm weights)
+    in_norm: bool  # counted in the global grad norm on this rank
+
+
+class _Range:
+    def __init__(self, ddp: DistributedDataParallel, lo: int, hi: int, segments: list, separate_master: bool):
+        self.lo, self.hi, self.segments = lo, hi, segments
+        self.param = ddp.param_buffer[lo:hi]
+        self.grad = ddp.grad_buffer[lo:hi]
+        self.master = self.param.detach().float().clone() if separate_master else self.param
+        self.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=self.param.device)
+        self.exp_avg_sq = torch.zeros(hi - lo, dtype=torch.float32, device=self.param.device)
+
+
+class Adam:
+    def __init__(self, ddp: DistributedDataParallel, pg: ProcessGroups, *, distributed: bool = False,
+                 weight_decay: float = 0.01, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 clip_grad: float = 0.0):
+        expected = "reduce_scatter" if distributed else "all_reduce"
+        if ddp.grad_reduce != expected:
+            raise ValueError(f"a {'distributed' if distributed else 'replicated'} optimizer needs "
+                             f"DistributedDataParallel(grad_reduce={expected!r}), got {ddp.grad_reduce!r}")
+        self.ddp, self.pg, self.distributed = ddp, pg, distributed
+        self.weight_decay, self.beta1, self.beta2, self.eps = weight_decay, beta1, beta2, eps
+        self.clip_grad = clip_grad
+        self.step_count = 0
+        self.separate_master = ddp.param_dtype != torch.float32
+        self.ranges = [_Range(ddp, lo, hi, self._segments(lo, hi), self.separate_master)
+                       for lo, hi in ddp.grad_shard_ranges()]
+
+    def _segments(self, lo: int, hi: int) -> list:
+        out = []
+        tp_rank0 = self.pg.tp.rank == 0
+        for p in self.ddp.params:
+            p_lo, p_hi = self.ddp.param_range[p]
+            a, b = max(lo, p_lo), min(hi, p_hi)
+            if a >= b:
+                continue
+            meta = getattr(p, "_specc_init", None)
+            sharded = meta is not None and meta.shard_dim is not None and meta.tp_size > 1
+            out.append(_Segment(offset=a - lo, length=b - a, decay=p.dim() > 1, in_norm=sharded or tp_rank0))
+        return out
+
+    # -- memory ----------------------------------------------------------------------------------------
+
+    def state_bytes(self) -> int:
+        """Bytes this rank holds for optimizer state, measured on the tensors it allocated: Adam
+        moments, and fp32 master weights where they are a separate copy."""
+        tensors = [t for r in self.ranges for t in (r.exp_avg, r.exp_avg_sq)]
+        if self.separate_master:
+            tensors += [r.master for r in self.ranges]
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+    def replicated_state_bytes(self) -> int:
+        """What a replicated optimizer holds per rank for the same model (every element)."""
+        return self.ddp.numel * (8 + (4 if self.separate_master else 0))
+
+    # -- the step --------------------------------------------------------------------------------------
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the (reduced) gradients, each parameter counted once."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.ddp.grad_buffer.device)
+        for r in self.ranges:
+            for s in r.segments:
+                if s.in_norm:
+                    g = r.grad[s.offset:s.offset + s.length]
+                    total += torch.dot(g, g).double()
+        comm.all_reduce(total, self.pg.tp)
+        if self.distributed:
+            comm.all_reduce(total, self.pg.dp)
+        return math.sqrt(total.item())
+
+    @torch.no_grad()
+    def step(self, lr: float) -> tuple[float, bool]:
+        """Clip, update, and (distributed) all-gather the parameters. Returns (grad norm before
+        clipping, whether the update was applied: a non-finite norm skips the step)."""
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            return norm, False
+        if self.clip_grad > 0:
+            coeff = self.clip_grad / (norm + 1.0e-6)
+            if coeff < 1.0:
+                for r in self.ranges:
+                    r.grad.mul_(coeff)
+        self.step_count += 1
+        b1, b2 = self.beta1, self.beta2
+        bias1 = 1.0 - b1 ** self.step_count
+        bias2_sqrt = math.sqrt(1.0 - b2 ** self.step_count)
+        for r in self.ranges:
+            if self.weight_decay > 0:
+                for s in r.segments:
+                    if s.decay:
+                        r.master[s.offset:s.offset + s.length].mul_(1.0 - lr * self.weight_decay)
+            r.exp_avg.mul_(b1).add_(r.grad, alpha=1.0 - b1)
+            r.exp_avg_sq.mul_(b2).addcmul_(r.grad, r.grad, value=1.0 - b2)
+            denom = (r.exp_avg_sq.sqrt() / bias2_sqrt).add_(self.eps)
+            r.master.addcdiv_(r.exp_avg, denom, value=-lr / bias1)
+            if self.separate_master:
+                r.param.copy_(r.master)
+        if self.distributed:
+            self._all_gather_params()
+        return norm, True
+
+    def _all_gather_params(self) -> None:
+        dp = self.ddp.dp
+        for bucket, r in zip(self.ddp.buckets, self.ranges):
+            # The input is this rank's part of the output: gather from a copy.
+            comm.all_gather_into_tensor(self.ddp.param_buffer[bucket.start:bucket.end], r.param.clone(), dp)
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step_count,
+            "distributed": self.distributed,
+            "ranges": [(r.lo, r.hi) for r in self.ranges],
+            "exp_avg": [r.exp_avg.clone() for r in self.ranges],
+            "exp_avg_sq": [r.exp_avg_sq.clone() for r in self.ranges],
+            "master": [r.master.clone() for r in self.ranges] if self.separate_master else None,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        ranges = [tuple(x) for x in state["ranges"]]
+        if ranges != [(r.lo, r.hi) for r in self.ranges] or state["distributed"] != self.distributed:
+            raise ValueError("the optimizer checkpoint was written with a different model, data-parallel size "
+                             "or optimizer (distributed vs replicated)")
+        self.step_count = int(state["step"])
+        for i, r in enumerate(self.ranges):
+            r.exp_avg.copy_(state["exp_avg"][i])
+            r.exp_avg_sq.copy_(state["exp_avg_sq"][i])
+            if self.separate_master:
+                r.master.copy_(state["master"][i])
+                r.param.copy_(r.master)
