@@ -1,0 +1,203 @@
+"""Training configuration as plain dataclasses, and the rules checked before any rank starts.
+
+The command line (specc/commands/train.py, Megatron's flag names) fills these; nothing here
+reads globals or the environment. `validate` returns every broken rule as one line, so the
+launcher can print them all and exit before torchrun starts a single process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1  # derived from the world size by `resolve`
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1.0e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1.0e-8
+    clip_grad: float = 1.0  # 0 disables clipping
+    use_distributed_optimizer: bool = False
+    bucket_size: int = 4_000_000  # elements per data-parallel gradient bucket
+    overlap_grad_reduce: bool = True
+
+
+@dataclass
+class ScheduleConfig:
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "linear"
+    lr_decay_iters: int | None = None  # None: train_iters
+
+
+@dataclass
+class DataConfig:
+    data_path: str | None = None  # a directory written by `specc data prepare`; None: the embedded stdlib corpus
+    split: str = "969,30,1"  # train,valid[,test] weights over documents, as Megatron's --split
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/train"
+    log_interval: int = 100
+    progress: bool | None = None  # None: a progress bar when stderr is a terminal
+
+
+@dataclass
+class TrainConfig:
+    spec: str
+    overrides: dict = field(default_factory=dict)  # config name -> value, applied over the spec
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # None: micro_batch_size * dp (no accumulation)
+    train_iters: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    bf16: bool = False
+    seed: int = 1234
+    device: str = "auto"  # auto | cpu | cuda
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.parallel.dp)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
+    """Derive the data-parallel size (and the default global batch) from the world size; return
+    every broken rule as one line (empty: the configuration is consistent)."""
+    errors = []
+    par = cfg.parallel
+    for name, flag, value in (("tp", "--tensor-model-parallel-size", par.tp),
+                              ("cp", "--context-parallel-size", par.cp),
+                              ("pp", "--pipeline-model-parallel-size", par.pp)):
+        if value < 1:
+            errors.append(f"{flag} must be at least 1, got {value}")
+    if par.cp > 1:
+        errors.append(f"--context-parallel-size {par.cp}: context parallelism is not implemented (use 1)")
+    if par.pp > 1:
+        errors.append(f"--pipeline-model-parallel-size {par.pp}: pipeline parallelism is not implemented (use 1)")
+    if world_size < 1:
+        errors.append(f"world size must be at least 1, got {world_size}")
+    model_parallel = max(par.tp, 1) * max(par.cp, 1) * max(par.pp, 1)
+    if not errors and world_size % model_parallel != 0:
+        errors.append(f"world size {world_size} is not divisible by TP*CP*PP = {par.tp}*{par.cp}*{par.pp} = "
+                      f"{model_parallel} (world = TP*CP*DP*PP)")
+    elif not errors:
+        par.dp = world_size // model_parallel
+
+    if cfg.micro_batch_size < 1:
+        errors.append(f"--micro-batch-size must be at least 1, got {cfg.micro_batch_size}")
+    elif not errors:
+        per_step = cfg.micro_batch_size * par.dp
+        if cfg.global_batch_size is None:
+            cfg.global_batch_size = per_step
+        if cfg.global_batch_size < 1:
+            errors.append(f"--global-batch-size must be at least 1, got {cfg.global_batch_size}")
+        elif cfg.global_batch_size % per_step != 0:
+            errors.append(f"--global-batch-size {cfg.global_batch_size} is not divisible by micro batch * DP = "
+                          f"{cfg.micro_batch_size}*{par.dp} = {per_step} (global batch = micro batch * DP * "
+                          f"accumulation steps)")
+    for flag, value, least in (("--train-iters", cfg.train_iters, 1), ("--eval-interval", cfg.eval_interval, 1),
+                               ("--eval-iters", cfg.eval_iters, 0), ("--log-interval", cfg.logging.log_interval, 1),
+                               ("--lr-warmup-iters", cfg.schedule.lr_warmup_iters, 0)):
+        if value < least:
+            errors.append(f"{flag} must be at least {least}, got {value}")
+    if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save_interval < 1:
+        errors.append(f"--save-interval must be at least 1, got {cfg.checkpoint.save_interval}")
+    if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save is None:
+        errors.append("--save-interval needs --save DIR")
+    opt = cfg.optimizer
+    if opt.lr <= 0:
+        errors.append(f"--lr must be positive, got {opt.lr}")
+    if opt.min_lr < 0 or opt.min_lr > opt.lr:
+        errors.append(f"--min-lr must be between 0 and --lr ({opt.lr}), got {opt.min_lr}")
+    if opt.clip_grad < 0:
+        errors.append(f"--clip-grad must be at least 0 (0 disables clipping), got {opt.clip_grad}")
+    if opt.weight_decay < 0:
+        errors.append(f"--weight-decay must be at least 0, got {opt.weight_decay}")
+    if not (0 <= opt.adam_beta1 < 1 and 0 <= opt.adam_beta2 < 1):
+        errors.append(f"--adam-beta1/--adam-beta2 must be in [0, 1), got {opt.adam_beta1}, {opt.adam_beta2}")
+    if opt.adam_eps <= 0:
+        errors.append(f"--adam-eps must be positive, got {opt.adam_eps}")
+    if opt.bucket_size < 1:
+        errors.append(f"--ddp-bucket-size must be at least 1, got {opt.bucket_size}")
+    sched = cfg.schedule
+    if sched.lr_decay_style not in DECAY_STYLES:
+        errors.append(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, got {sched.lr_decay_style!r}")
+    if sched.lr_decay_iters is not None and sched.lr_decay_iters < 1:
+        errors.append(f"--lr-decay-iters must be at least 1, got {sched.lr_decay_iters}")
+    decay_iters = sched.lr_decay_iters if sched.lr_decay_iters is not None else cfg.train_iters
+    if sched.lr_warmup_iters > decay_iters:
+        errors.append(f"--lr-warmup-iters {sched.lr_warmup_iters} exceeds the decay iterations {decay_iters}")
+    try:
+        split_weights(cfg.data.split)
+    except ValueError as e:
+        errors.append(f"--split {cfg.data.split}: {e}")
+    if cfg.seed < 0:
+        errors.append(f"--seed must be at least 0, got {cfg.seed}")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        errors.append(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
+    return errors
+
+
+def model_rules(cfg: TrainConfig, model_config: dict) -> list[str]:
+    """Rules between the training settings and the compiled model's resolved config."""
+    errors = []
+    seq = model_config.get("seq_length")
+    if not isinstance(seq, int) or seq < 1:
+        errors.append("the spec has no positive integer config value 'seq_length' (the training sample length)")
+    elif cfg.parallel.sp and cfg.parallel.tp > 1 and seq % cfg.parallel.tp != 0:
+        errors.append(f"--seq-length {seq} is not divisible by the tensor-parallel size {cfg.parallel.tp} "
+                      f"(sequence parallelism splits the sequence over TP ranks)")
+    vocab = model_config.get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 1:
+        errors.append("the spec has no positive integer config value 'vocab_size'")
+    return errors
+
+
+def split_weights(text: str) -> tuple[float, float, float]:
+    """'969,30,1' -> normalized (train, valid, test) fractions; two values mean no test split."""
+    parts = [p.strip() for p in str(text).replace("/", ",").split(",") if p.strip()]
+    if len(parts) not in (2, 3):
+        raise ValueError("expected 2 or 3 comma-separated weights (train,valid[,test]), e.g. 969,30,1")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError("weights must be numbers, e.g. 969,30,1") from None
+    if any(v < 0 or v != v or v == float("inf") for v in values) or sum(values) <= 0 or values[0] <= 0:
+        raise ValueError("weights must be finite, non-negative, and the train weight positive")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return tuple(v / total for v in values)
+
+
+def decay_iters(cfg: TrainConfig) -> int:
+    return cfg.schedule.lr_decay_iters if cfg.schedule.lr_decay_iters is not None else cfg.train_iters

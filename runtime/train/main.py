@@ -1,0 +1,305 @@
+"""Entry points: `launch` (what `specc train` runs: check everything, then start the ranks through
+torchrun, or run in this process for one rank) and `run` (one rank, under torchrun or alone)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from ..data import DataError, IndexedTokens, build_datasets, prepare, stdlib_files
+from .config import (
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    ScheduleConfig,
+    TrainConfig,
+    model_rules,
+    resolve,
+    split_weights,
+)
+
+
+class ConfigError(Exception):
+    """Broken rules, one line each."""
+
+    def __init__(self, lines: list):
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+# -- configuration from the command line -----------------------------------------------------------
+
+def config_from_args(args) -> TrainConfig:
+    from specc.cli import overrides_from
+
+    overrides = {key: value for key, value, _ in overrides_from(args)}
+    return TrainConfig(
+        spec=args.spec,
+        overrides=overrides,
+        parallel=ParallelConfig(tp=args.tp, sp=args.sp, cp=args.cp, pp=args.pp),
+        optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                                  adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                                  clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
+                                  bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce),
+        schedule=ScheduleConfig(lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
+                                lr_decay_iters=args.lr_decay_iters),
+        data=DataConfig(data_path=args.data_path, split=args.split),
+        checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval),
+        logging=LoggingConfig(run_dir=args.run_dir or os.path.join("runs", _spec_stem(args.spec)),
+                              log_interval=args.log_interval, progress=args.progress),
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+        bf16=args.bf16, seed=args.seed, device=args.device)
+
+
+def config_from_dict(d: dict) -> TrainConfig:
+    d = dict(d)
+    sections = {"parallel": ParallelConfig, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
+                "data": DataConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+    for name, cls in sections.items():
+        d[name] = cls(**d[name])
+    return TrainConfig(**d)
+
+
+def _spec_stem(path: str) -> str:
+    base = os.path.basename(os.path.normpath(path))
+    return base.rsplit(".", 1)[0] if base.endswith((".yaml", ".yml")) else base
+
+
+# -- checks shared by the launcher and every rank ----------------------------------------------------
+
+def check(cfg: TrainConfig, world_size: int):
+    """Resolve and check the configuration; returns the compiled spec. Raises ConfigError (every
+    broken rule), SpecError (the spec or an override) or DataError (the data)."""
+    from .training import compile_model
+
+    errors = resolve(cfg, world_size)
+    if errors:
+        raise ConfigError(errors)
+    if not os.path.isfile(cfg.spec):
+        raise ConfigError([f"{cfg.spec}: no such spec file"])
+    _, spec = compile_model(cfg)
+    errors = model_rules(cfg, spec.config)
+    if cfg.data.data_path is not None:
+        errors += data_rules(cfg, spec.config)
+    if cfg.checkpoint.load is not None and not os.path.isdir(cfg.checkpoint.load):
+        errors.append(f"--load {cfg.checkpoint.load}: no such directory")
+    if errors:
+        raise ConfigError(errors)
+    return spec
+
+
+def data_rules(cfg: TrainConfig, model_config: dict) -> list:
+    data = IndexedTokens(cfg.data.data_path)
+    errors = []
+    vocab = model_config.get("vocab_size")
+    if isinstance(vocab, int) and data.vocab_size > vocab:
+        errors.append(f"--data-path {cfg.data.data_path}: its tokenizer's vocabulary ({data.vocab_size}) is larger "
+                      f"than the model's vocab_size ({vocab}); set --set vocab_size={data.vocab_size} or more")
+    seq = model_config["seq_length"]
+    sets = build_datasets(cfg.data.data_path, seq, cfg.seed, split_weights(cfg.data.split))
+    needed = {"train": 1, "valid": 1 if cfg.eval_iters > 0 else 0}
+    for name, least in needed.items():
+        if len(sets[name]) < least:
+            lo, hi = sets[name].lo, sets[name].hi
+            errors.append(f"--data-path {cfg.data.data_path}: the {name} split (--split {cfg.data.split}) holds "
+                          f"{hi - lo} tokens, not one sample of --seq-length {seq} + 1"
+                          + ("; set --eval-iters 0 or give it a larger share" if name == "valid" else ""))
+    return errors
+
+
+def default_data(run_dir: str, log=None) -> str:
+    """The embedded corpus (the standard library's sources, byte tokenizer) in RUN_DIR/data,
+    prepared once and reused while the same files are there."""
+    path = os.path.join(run_dir, "data")
+    files = stdlib_files()
+    try:
+        meta = IndexedTokens(path).meta
+        if meta["tokenizer"].get("type") == "byte" and [s["path"] for s in meta["sources"]] == files:
+            return path
+    except (DataError, KeyError, TypeError):
+        pass
+    prepare(files, "byte", path, log=log)
+    return path
+
+
+def _error_lines(e: Exception) -> list:
+    from specc.errors import SpecError
+
+    if isinstance(e, ConfigError):
+        return [f"error: {line}" for line in e.lines]
+    if isinstance(e, SpecError):
+        return [e.format()]
+    return [f"error: {e}"]
+
+
+# -- launcher ----------------------------------------------------------------------------------------
+
+def launch(args) -> int:
+    from specc.errors import SpecError
+
+    from .checkpoint import CheckpointError
+
+    try:
+        cfg = config_from_args(args)
+        if args.nproc_per_node < 1 or args.nnodes < 1:
+            raise ConfigError([f"--nproc-per-node and --nnodes must be at least 1, got {args.nproc_per_node}, "
+                               f"{args.nnodes}"])
+        world = args.nproc_per_node * args.nnodes
+        check(cfg, world)
+        if cfg.data.data_path is None:
+            cfg.data.data_path = default_data(cfg.logging.run_dir, log=lambda m: print(m, file=sys.stderr))
+            check(cfg, world)
+    except (ConfigError, SpecError, DataError, CheckpointError) as e:
+        for line in _error_lines(e):
+            print(line, file=sys.stderr)
+        return 2
+    if world == 1:
+        return run(cfg)
+    # Every rank re-checks; derived values (DP, global batch) are derived again from the world.
+    cfg.parallel.dp = 1
+    payload = json.dumps(cfg.to_dict())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
+           "--nnodes", str(args.nnodes)]
+    passthrough = {"node_rank": "--node-rank", "master_addr": "--master-addr", "master_port": "--master-port",
+                   "rdzv_backend": "--rdzv-backend", "rdzv_endpoint": "--rdzv-endpoint", "rdzv_id": "--rdzv-id"}
+    given = {flag: getattr(args, name) for name, flag in passthrough.items() if getattr(args, name) is not None}
+    if args.nnodes == 1 and not given:
+        cmd.append("--standalone")  # a free local port, no rendezvous setup
+    for flag, value in given.items():
+        cmd += [flag, str(value)]
+    cmd += ["-m", "runtime.train", cfg.spec, "--config-json", payload]
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    print(f"launching {world} ranks: torchrun --nproc-per-node {args.nproc_per_node} --nnodes {args.nnodes} "
+          f"-m runtime.train {cfg.spec} ...", file=sys.stderr, flush=True)
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 130
+
+
+# -- one rank ------------------------------------------------------------------------------------------
+
+def rank_main(argv=None) -> int:
+    """`python -m runtime.train SPEC [flags]`, one process per rank (torchrun sets the env)."""
+    from specc.commands.train import build_rank_parser
+
+    args = build_rank_parser().parse_args(argv)
+    if args.config_json is not None:
+        cfg = config_from_dict(json.loads(args.config_json))
+    else:
+        from specc.errors import SpecError
+
+        try:
+            cfg = config_from_args(args)
+        except SpecError as e:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(e.format(), file=sys.stderr)
+            return 2
+    return run(cfg)
+
+
+def run(cfg: TrainConfig, stream=None) -> int:
+    """Train on this rank. WORLD_SIZE/RANK/LOCAL_RANK come from torchrun (absent: one rank)."""
+    import torch
+    import torch.distributed as dist
+
+    from specc.errors import SpecError
+
+    from ..parallel_state import ProcessGroups
+    from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from .report import NullReporter, Reporter
+    from .training import TrainState, resolve_device, setup_model_and_optimizer, train
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    def fail(e) -> int:
+        if rank == 0:
+            for line in _error_lines(e):
+                print(line, file=sys.stderr, flush=True)
+        return 2
+
+    try:
+        check(cfg, world)
+    except (ConfigError, SpecError, DataError) as e:
+        return fail(e)
+    device = resolve_device(cfg.device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    initialized_here = False
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        initialized_here = True
+    pg = ProcessGroups.initialize(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp) if world > 1 \
+        else ProcessGroups.single()
+    reporter = NullReporter()
+    try:
+        if cfg.data.data_path is None:  # launched by hand without --data-path: one preparer per node
+            path = os.path.join(cfg.logging.run_dir, "data")
+            if local_rank == 0:
+                default_data(cfg.logging.run_dir, log=lambda m: print(m, file=sys.stderr) if rank == 0 else None)
+            if world > 1:
+                dist.barrier()
+            cfg.data.data_path = path
+            try:
+                check(cfg, world)
+            except (ConfigError, SpecError, DataError) as e:
+                return fail(e)
+        setup = setup_model_and_optimizer(cfg, pg, device)
+        seq = setup.spec.config["seq_length"]
+        datasets = build_datasets(cfg.data.data_path, seq, cfg.seed, split_weights(cfg.data.split))
+        if rank == 0:
+            reporter = Reporter(cfg.logging.run_dir, cfg.train_iters, cfg.logging.log_interval,
+                                progress=cfg.logging.progress, stream=stream)
+        reporter.start(cfg.to_dict(), setup.spec.config)
+        _report_setup(reporter, cfg, setup, pg, datasets)
+        state = TrainState()
+        if cfg.checkpoint.load:
+            try:
+                state.iteration, state.consumed_samples = load_checkpoint(cfg.checkpoint.load, setup, pg)
+            except CheckpointError as e:
+                return fail(e)
+            reporter.info(f"loaded checkpoint from {cfg.checkpoint.load} at iteration {state.iteration}")
+
+        def save(st):
+            path = save_checkpoint(cfg.checkpoint.save, st.iteration, st.consumed_samples, setup, pg, cfg.to_dict())
+            reporter.info(f"saved checkpoint {path}")
+
+        losses = train(setup, datasets, cfg, pg, reporter, state, save_fn=save if cfg.checkpoint.save else None)
+        if cfg.checkpoint.save and not (cfg.checkpoint.save_interval and
+                                        state.iteration % cfg.checkpoint.save_interval == 0):
+            save(state)
+        if losses:
+            reporter.info(f"done: {len(losses)} iterations, loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
+                          f"metrics in {cfg.logging.run_dir}")
+        return 0
+    finally:
+        reporter.close()
+        pg.destroy()
+        if initialized_here:
+            dist.destroy_process_group()
+
+
+def _report_setup(reporter, cfg: TrainConfig, setup, pg, datasets) -> None:
+    opt = setup.optimizer
+    params = sum(p.numel() for p in setup.model.parameters())
+    reporter.info(f"world {pg.world_size} = TP {pg.tp.size} x CP {pg.cp.size} x DP {pg.dp.size} x PP {pg.pp.size}; "
+                  f"global batch {cfg.global_batch_size} = micro batch {cfg.micro_batch_size} x DP {pg.dp.size} x "
+                  f"{cfg.num_micro_batches} accumulation steps; device {setup.device}")
+    reporter.info(f"parameters on this rank: {params:,} ({setup.ddp.param_dtype}); gradient buckets: "
+                  f"{len(setup.ddp.buckets)}; {'bf16 autocast, ' if cfg.bf16 else ''}fp32 gradients and master weights")
+    measured, replicated = opt.state_bytes(), opt.replicated_state_bytes()
+    kind = f"distributed over DP={pg.dp.size}" if opt.distributed else "replicated"
+    reporter.info(f"optimizer state per rank (measured): {measured / 2**20:.3f} MiB, {kind}; a replicated optimizer "
+                  f"holds {replicated / 2**20:.3f} MiB (ratio {measured / replicated:.3f}, 1/DP = {1 / pg.dp.size:.3f})")
+    reporter.info(f"data {cfg.data.data_path}: {len(datasets['train']):,} train and {len(datasets['valid']):,} "
+                  f"validation samples of {datasets['train'].seq_length} tokens")

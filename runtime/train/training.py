@@ -1,0 +1,204 @@
+"""The training loop, Megatron's shape in small: setup_model_and_optimizer builds the compiled
+model, its DistributedDataParallel wrapper and the optimizer; train owns the iterations, logging,
+evaluation and checkpoints; train_step runs one global batch (gradient accumulation over
+micro-batches) through a forward_step function chosen per model type; evaluate averages the
+validation loss. The model definition (a compiled spec) and its parallelization (already in the
+generated code) stay out of here: the loop sees a module that maps a micro-batch to a loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .. import api, comm
+from ..ddp import DistributedDataParallel
+from ..grads import finalize_model_grads
+from ..optim import Adam, LRSchedule
+from ..parallel_state import ProcessGroups
+from ..random import RNGTracker
+from .config import TrainConfig, decay_iters
+
+# -- forward steps, one per model type -----------------------------------------------------------------
+
+def lm_forward_step(model, batch) -> torch.Tensor:
+    """A language model whose forward(tokens, labels) returns the per-token loss [b, s]: the
+    micro-batch loss is its mean (every token counts; windows have no padding)."""
+    tokens, labels = batch
+    return model(tokens, labels).float().mean()
+
+
+FORWARD_STEPS: dict[tuple, Callable] = {("tokens", "labels"): lm_forward_step}
+
+
+def forward_step_for(spec) -> Callable:
+    names = tuple(i.name for i in spec.inputs)
+    if names not in FORWARD_STEPS:
+        known = ", ".join("(" + ", ".join(k) + ")" for k in FORWARD_STEPS)
+        raise ValueError(f"no forward_step for a model with inputs ({', '.join(names)}); known: {known}")
+    return FORWARD_STEPS[names]
+
+
+# -- setup ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Setup:
+    model: torch.nn.Module  # the compiled module
+    ddp: DistributedDataParallel
+    optimizer: Adam
+    schedule: LRSchedule
+    spec: object  # the compiled spec: spec.config is the resolved model config
+    rng_tracker: RNGTracker
+    device: torch.device
+    forward_step: Callable
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def compile_model(cfg: TrainConfig):
+    """(generated source, spec) for the configured spec at the configured parallel settings."""
+    source, spec, _ = api.compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=cfg.overrides,
+                                         micro_batch_size=cfg.micro_batch_size,
+                                         dtype="bf16" if cfg.bf16 else "fp32")
+    return source, spec
+
+
+def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch.device | None = None) -> Setup:
+    device = device or torch.device("cpu")
+    source, spec = compile_model(cfg)
+    module = api.load_module_from_source(source, spec.name)
+    rng = RNGTracker(cfg.seed, pg.tp.rank)
+    model = module.build_model(pg, seed=cfg.seed, rng_tracker=rng).to(device)
+    if cfg.bf16:
+        model = model.to(torch.bfloat16)  # the optimizer keeps fp32 master weights
+    opt = cfg.optimizer
+    ddp = DistributedDataParallel(model, pg, bucket_size=opt.bucket_size,
+                                  grad_reduce="reduce_scatter" if opt.use_distributed_optimizer else "all_reduce",
+                                  overlap_grad_reduce=opt.overlap_grad_reduce)
+    optimizer = Adam(ddp, pg, distributed=opt.use_distributed_optimizer, weight_decay=opt.weight_decay,
+                     beta1=opt.adam_beta1, beta2=opt.adam_beta2, eps=opt.adam_eps, clip_grad=opt.clip_grad)
+    schedule = LRSchedule(opt.lr, opt.min_lr, cfg.schedule.lr_warmup_iters, decay_iters(cfg),
+                          cfg.schedule.lr_decay_style)
+    return Setup(model, ddp, optimizer, schedule, spec, rng, device, forward_step_for(spec))
+
+
+# -- one step ------------------------------------------------------------------------------------------
+
+@dataclass
+class StepResult:
+    loss: float  # mean over the global batch (all micro-batches, all DP ranks)
+    grad_norm: float
+    applied: bool  # False: a non-finite gradient norm skipped the update
+
+
+def _autocast(setup: Setup, bf16: bool):
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=setup.device.type, dtype=torch.bfloat16)
+
+
+def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, bf16: bool = False) -> StepResult:
+    """Forward and backward every micro-batch (gradients accumulate in the DDP's fp32 buffer;
+    only the last one starts the bucketed data-parallel reduction), finalize the gradients
+    (DP reduction, TP-partial sums), then clip and step."""
+    ddp = setup.ddp
+    ddp.zero_grad_buffer()
+    n = len(micro_batches)
+    total = torch.zeros((), dtype=torch.float32, device=setup.device)
+    for i, batch in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == n - 1 else ddp.no_sync():
+            with _autocast(setup, bf16):
+                loss = setup.forward_step(ddp, batch)
+            (loss / n).backward()
+        total += loss.detach()
+    finalize_model_grads(setup.model, pg, ddp)
+    grad_norm, applied = setup.optimizer.step(lr)
+    mean = (total / n).reshape(1)
+    if pg.dp.size > 1:
+        comm.all_reduce(mean, pg.dp)
+        mean /= pg.dp.size
+    return StepResult(mean.item(), grad_norm, applied)
+
+
+@torch.no_grad()
+def evaluate(setup: Setup, dataset, cfg: TrainConfig, pg: ProcessGroups) -> float:
+    """Mean loss over the first eval_iters global batches of `dataset` (the same samples at
+    every evaluation, so the curve compares like with like)."""
+    setup.model.eval()
+    total = torch.zeros(1, dtype=torch.float64, device=setup.device)
+    count = 0
+    try:
+        for it in range(cfg.eval_iters):
+            for m in range(cfg.num_micro_batches):
+                batch = micro_batch(dataset, it * cfg.global_batch_size, m, cfg, pg, setup.device)
+                with _autocast(setup, cfg.bf16):
+                    total += setup.forward_step(setup.model, batch).double()
+                count += 1
+    finally:
+        setup.model.train()
+    if pg.dp.size > 1:
+        comm.all_reduce(total, pg.dp)
+    return total.item() / (count * pg.dp.size)
+
+
+def micro_batch(dataset, consumed: int, micro: int, cfg: TrainConfig, pg: ProcessGroups, device):
+    tokens, labels = dataset.micro_batch(consumed, micro, cfg.micro_batch_size, pg.dp.rank, pg.dp.size)
+    return (torch.from_numpy(tokens).to(device, non_blocking=True),
+            torch.from_numpy(labels).to(device, non_blocking=True))
+
+
+def max_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# -- the loop ------------------------------------------------------------------------------------------
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def train(setup: Setup, datasets: dict, cfg: TrainConfig, pg: ProcessGroups, reporter, state: TrainState,
+          save_fn: Callable | None = None) -> list:
+    """Run iterations state.iteration+1 .. train_iters; returns the per-iteration losses."""
+    losses = []
+    seq = setup.spec.config["seq_length"]
+    tokens_per_step = cfg.global_batch_size * seq
+    evaluated_at = None
+    while state.iteration < cfg.train_iters:
+        iteration = state.iteration + 1
+        lr = setup.schedule(iteration)
+        start = time.perf_counter()
+        batches = [micro_batch(datasets["train"], state.consumed_samples, m, cfg, pg, setup.device)
+                   for m in range(cfg.num_micro_batches)]
+        result = train_step(setup, batches, lr, pg, cfg.bf16)
+        if setup.device.type == "cuda":
+            torch.cuda.synchronize(setup.device)
+        step_time = time.perf_counter() - start
+        state.iteration = iteration
+        state.consumed_samples += cfg.global_batch_size
+        losses.append(result.loss)
+        reporter.train(iteration=iteration, consumed_samples=state.consumed_samples, lr=lr, loss=result.loss,
+                       grad_norm=result.grad_norm, step_time=step_time, tokens=tokens_per_step,
+                       batch_size=cfg.global_batch_size, memory_mb=max_memory_mb(setup.device),
+                       skipped=not result.applied)
+        if cfg.eval_iters > 0 and iteration % cfg.eval_interval == 0:
+            reporter.evaluation(iteration=iteration, loss=evaluate(setup, datasets["valid"], cfg, pg))
+            evaluated_at = iteration
+        if save_fn is not None and cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
+            save_fn(state)
+    if cfg.eval_iters > 0 and evaluated_at != state.iteration:
+        reporter.evaluation(iteration=state.iteration, loss=evaluate(setup, datasets["valid"], cfg, pg))
+    return losses
