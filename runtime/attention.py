@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .parallel_state import Group
 from .random import RNGTracker
 
 _BACKENDS = ("sdpa", "unfused", "flash", "te")
@@ -30,8 +31,10 @@ class CoreAttention(nn.Module):
         dropout: float = 0.0,
         backend: str = "sdpa",
         rng_tracker: RNGTracker | None = None,
+        tp: Group | None = None,
     ):
         super().__init__()
+        self.tp = tp or Group.single("tp")  # only the TP-invariant dropout mode needs it
         if backend not in _BACKENDS:
             raise ValueError(f"attention backend must be one of {_BACKENDS}, got {backend!r}")
         if num_heads % num_kv_heads != 0:
@@ -66,9 +69,18 @@ class CoreAttention(nn.Module):
         q = q4.permute(1, 2, 0, 3)
         k = k4.permute(1, 2, 0, 3).repeat_interleave(group, dim=1)
         v = v4.permute(1, 2, 0, 3).repeat_interleave(group, dim=1)
-        if self.backend == "sdpa":
+        invariant = p > 0 and self.rng_tracker is not None and self.rng_tracker.tp_invariant
+        if self.backend == "sdpa" and not invariant:  # SDPA draws its own mask: the debug mode needs ours
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
         return self._unfused(q, k, v, p)
+
+    def _invariant_keep(self, probs: torch.Tensor, p: float) -> torch.Tensor:
+        """TP-invariant debug mode: the mask over all heads, this rank's heads kept."""
+        from .layers import local_piece
+
+        b, n, sq, sk = probs.shape
+        full = self.rng_tracker.full_keep_mask((b, n * self.tp.size, sq, sk), p, probs.device)
+        return local_piece(full, "S(h)", self.tp, dim_for_heads=1)
 
     def _unfused(self, q, k, v, p: float) -> torch.Tensor:
         # Megatron's local path: explicit scores, causal mask, fp32 softmax, dropout.
@@ -78,7 +90,9 @@ class CoreAttention(nn.Module):
             future = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
             scores = scores.masked_fill(future, float("-inf"))
         probs = torch.softmax(scores.to(_at_least_fp32(scores.dtype)), dim=-1).to(q.dtype)
-        if p > 0:
+        if p > 0 and self.rng_tracker is not None and self.rng_tracker.tp_invariant:
+            probs = probs * self._invariant_keep(probs, p).to(probs.dtype) / (1.0 - p)
+        elif p > 0:
             probs = F.dropout(probs, p, training=True)
         return torch.matmul(probs, v)
 

@@ -305,28 +305,54 @@ class RotaryEmbedding(nn.Module):
         return (heads * cos + rotated * sin).reshape(s, b, width)
 
 
+def full_shape(local_shape, layout: str, tp: Group) -> tuple:
+    """The full shape of a value this rank holds a `layout` piece of."""
+    shape = list(local_shape)
+    if layout == "S(s)":
+        shape[0] *= tp.size
+    elif layout == "S(h)":
+        shape[-1] *= tp.size
+    return tuple(shape)
+
+
+def local_piece(full: torch.Tensor, layout: str, tp: Group, dim_for_heads: int | None = None) -> torch.Tensor:
+    """This rank's piece of a full tensor: rows for S(s), the last dim (or `dim_for_heads`) for S(h)."""
+    if tp.size == 1 or layout in ("I", "R", "P"):
+        return full
+    dim = 0 if layout == "S(s)" else (-1 if dim_for_heads is None else dim_for_heads)
+    return full.chunk(tp.size, dim=dim)[tp.rank]
+
+
 class Dropout(nn.Module):
     """Dropout on a named RNG stream: "default" in replicated regions (the same mask
     on every TP rank), "tensor-parallel" in sharded regions (a different mask per
-    rank). Without a tracker it uses torch's default generator."""
+    rank). Without a tracker it uses torch's default generator. `layout` and `tp` say
+    how the input is sharded; a tracker in TP-invariant mode then draws the full mask
+    and keeps this rank's slice."""
 
     _STREAMS = ("default", "tensor-parallel")
 
-    def __init__(self, p: float, *, rng_tracker: RNGTracker | None = None, stream: str = "default"):
+    def __init__(self, p: float, *, rng_tracker: RNGTracker | None = None, stream: str = "default",
+                 layout: str = "I", tp: Group | None = None):
         super().__init__()
         if stream not in self._STREAMS:
             raise ValueError(f"dropout stream must be one of {self._STREAMS}, got {stream!r}")
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p, self.rng_tracker, self.stream = p, rng_tracker, stream
+        self.layout, self.tp = layout, tp or Group.single("tp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
         if self.rng_tracker is None:
             return F.dropout(x, self.p, training=True)
+        if self.rng_tracker.tp_invariant:
+            keep = local_piece(self.rng_tracker.full_keep_mask(full_shape(x.shape, self.layout, self.tp), self.p,
+                                                               x.device), self.layout, self.tp)
+            return x * keep.to(x.dtype) / (1.0 - self.p)
         with self.rng_tracker.fork(self.stream):
             return F.dropout(x, self.p, training=True)
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, stream={self.stream}"
+        return f"p={self.p}, stream={self.stream}, layout={self.layout}"

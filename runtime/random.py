@@ -17,9 +17,14 @@ _TP_SEED_OFFSET = 2718
 
 
 class RNGTracker:
-    def __init__(self, seed: int, tp_rank: int):
+    """Named streams; with `tp_invariant=True` (a debug mode for `specc verify`) dropout masks
+    are instead drawn for the FULL tensor from (seed, call number) and each rank keeps its slice,
+    so any TP size drops exactly what TP=1 drops."""
+
+    def __init__(self, seed: int, tp_rank: int, tp_invariant: bool = False):
         # CUDA kernels read the CUDA generator, so streams carry its state too when
         # CUDA is present; on CPU-only machines a stream is the CPU state alone.
+        self.seed, self.tp_invariant, self.calls = seed, tp_invariant, 0
         self._cuda = torch.cuda.is_available()
         self._states: dict[str, dict[str, torch.Tensor]] = {}
         self._active: set[str] = set()
@@ -49,6 +54,12 @@ class RNGTracker:
         finally:
             self._active.discard(name)
             self._states[name] = self._swap_in(saved)
+
+    def full_keep_mask(self, full_shape, p: float, device=None) -> torch.Tensor:
+        """TP-invariant mode: the keep-mask of the next dropout call, drawn for the full tensor."""
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.calls) % (2**63))
+        self.calls += 1
+        return (torch.rand(tuple(full_shape), generator=gen) >= p).to(device)
 
     def get_states(self) -> dict[str, dict[str, torch.Tensor]]:
         """A copy of every stream's state, for checkpoints."""

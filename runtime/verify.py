@@ -25,6 +25,7 @@ from .comm import CommCounter
 from .grads import finalize_model_grads
 from .init import gather_full
 from .parallel_state import ProcessGroups
+from .random import RNGTracker
 
 # Mutations break a compiled module on purpose, to show that verify catches each kind of bug.
 MUTATIONS = {
@@ -47,6 +48,8 @@ class VerifyConfig:
     tolerance: float = 1e-4  # pass: max |a - b| <= atol + tolerance * max |b|, per tensor
     atol: float = 1e-6
     mutate: str | None = None
+    tp_invariant_dropout: bool = False  # exact comparison with dropout on (masks drawn full-size)
+    mask_draws: int = 32  # dropout on, statistical mode: independent masks per side
 
 
 @dataclass
@@ -252,6 +255,30 @@ def _row(setting, quantity, got, ref, tol, atol) -> Row:
     return Row(setting, quantity, a, rel, _close(got, ref, tol, atol))
 
 
+def _has_dropout(graph) -> bool:
+    return any((op.kind == "dropout" and op.attrs["p"] > 0) or (op.kind == "core_attention" and op.attrs["dropout"] > 0)
+               for op in graph.iter_ops())
+
+
+def _mask_losses(model, cfg, seq, vocab) -> torch.Tensor:
+    """Per-token losses [draws, b, s] of one batch under `mask_draws` independent dropout masks."""
+    tokens, labels = _data(cfg, seq, vocab, 0)
+    with torch.no_grad():
+        return torch.stack([model(tokens, labels) for _ in range(cfg.mask_draws)])
+
+
+def _statistical_row(setting: str, ref: torch.Tensor, got: torch.Tensor) -> Row:
+    """Dropout on, different masks on each side: each token's expected loss must agree. The
+    largest per-token z-score (difference of means over its standard error) must stay below 6,
+    which chance exceeds with probability ~1e-7 per token."""
+    n = ref.shape[0]
+    diff = (got.mean(0) - ref.mean(0)).abs()
+    se = ((ref.var(0) + got.var(0)) / n).sqrt().clamp_min(1e-6)
+    z = (diff / se).max().item()
+    return Row(setting, f"per-token loss with dropout ({n} masks each)", diff.max().item(),
+               (diff / ref.mean(0).abs().clamp_min(1e-12)).max().item(), z < 6.0, f"max z-score {z:.2f} (limit 6)")
+
+
 def _plan_counts(graph) -> dict:
     from specc.plan import build_plan
 
@@ -282,8 +309,15 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
     seq, vocab = _model_inputs(spec)
     path, layout = _logits_module(graph)
     single = ProcessGroups.single()
-    ref_model = api.load_module_from_source(src, spec.name).build_model(single, seed=cfg.seed)
-    ref = _run(ref_model, single, cfg, seq, vocab, path, layout, _activation_sites(graph))
+    statistical = _has_dropout(graph) and not cfg.tp_invariant_dropout
+
+    def build(source, name, pg):
+        tracker = RNGTracker(cfg.seed, pg.tp.rank, tp_invariant=cfg.tp_invariant_dropout)
+        return api.load_module_from_source(source, name).build_model(pg, seed=cfg.seed, rng_tracker=tracker)
+
+    ref_model = build(src, spec.name, single)
+    ref = _mask_losses(ref_model, cfg, seq, vocab) if statistical else \
+        _run(ref_model, single, cfg, seq, vocab, path, layout, _activation_sites(graph))
     rows = []
     for tp in cfg.tps:
         for sp in (cfg.sps if tp > 1 else [False]):
@@ -297,7 +331,10 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
                     if not applied:
                         rows.append(Row(setting, f"mutation {cfg.mutate}", 0.0, 0.0, True, "nothing to break here; skipped"))
                         continue
-                model = api.load_module_from_source(text, spec_t.name).build_model(pg, seed=cfg.seed)
+                model = build(text, spec_t.name, pg)
+                if statistical:
+                    rows.append(_statistical_row(setting, ref, _mask_losses(model, cfg, seq, vocab)))
+                    continue
                 path_t, layout_t = _logits_module(graph_t)
                 got = _run(model, pg, cfg, seq, vocab, path_t, layout_t, _activation_sites(graph_t))
                 rows += _compare(setting, ref, got, cfg.tolerance, cfg.atol)

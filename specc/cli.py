@@ -176,7 +176,8 @@ def cmd_verify(args) -> int:
     from runtime.verify import VerifyConfig, format_table, verify  # imports torch: only now
 
     cfg = VerifyConfig(spec=args.spec, tps=sorted(set([1] + tps)), sps=sps, steps=args.steps, seed=args.seed,
-                       batch=args.batch, overrides=overrides, tolerance=args.tolerance, mutate=args.mutate)
+                       batch=args.batch, overrides=overrides, tolerance=args.tolerance, mutate=args.mutate,
+                       tp_invariant_dropout=args.tp_invariant_dropout)
     print(f"specc verify {args.spec}: tp {','.join(map(str, cfg.tps))}, sp {args.sp_mode}, {cfg.steps} steps, "
           f"batch {cfg.batch}, seed {cfg.seed}" + (f", MUTATION {cfg.mutate}" if cfg.mutate else ""), flush=True)
     rows = verify(cfg)
@@ -257,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch", type=int, default=2, metavar="B", help="micro-batch size (default 2)")
     c.add_argument("--tolerance", type=float, default=1e-4, help="relative tolerance per tensor (default 1e-4)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--tp-invariant-dropout", action="store_true",
+                   help="draw dropout masks for the full tensor and slice them, so runs with dropout compare "
+                        "exactly (without it, dropout is compared statistically)")
     c.add_argument("--mutate", default=None, metavar="NAME",
                    help="break the compiled module on purpose (drop-partial-grad, one-slab-segments, drop-reduction)")
     for key, flag in MEGATRON_CONFIG_FLAGS.items():

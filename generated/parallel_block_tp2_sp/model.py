@@ -87,7 +87,7 @@ class GPTModel(nn.Module):
         self.tp = pg.tp
         self.embedding = runtime.VocabParallelEmbedding(50304, 768, tp=self.tp, init_std=0.02)
         self.position_embedding = runtime.PositionEmbedding(1024, 768, init_std=0.02)
-        self.embedding_dropout = runtime.Dropout(0.0, rng_tracker=rng_tracker, stream="tensor-parallel")
+        self.embedding_dropout = runtime.Dropout(0.0, rng_tracker=rng_tracker, stream="tensor-parallel", layout="S(s)", tp=self.tp)
         self.layers = nn.ModuleList([TransformerLayer(pg, rng_tracker) for _ in range(12)])
         self.final_layernorm = runtime.LayerNorm(768, eps=1e-05)
         self.output_layer = runtime.ColumnParallelLinear(768, 50304, bias=False, input_mode="gather", weight=self.embedding.weight, tp=self.tp, init_std=0.02)

@@ -85,7 +85,8 @@ class CoreAttention(OpKind):
         t = ctx.tp
         backend = {"native": "sdpa"}.get(node.impl, node.impl)
         return (f"runtime.CoreAttention({a['num_heads'] // t}, {self.kv_heads(a) // t}, {a['head_dim']}, "
-                f"causal={a['causal']}, dropout={a['dropout']!r}, backend=\"{backend}\", rng_tracker=rng_tracker)")
+                f"causal={a['causal']}, dropout={a['dropout']!r}, backend=\"{backend}\", rng_tracker=rng_tracker"
+                + (", tp=self.tp)" if a["dropout"] > 0 and t > 1 else ")"))
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({', '.join(args)})"

@@ -100,8 +100,10 @@ class Dropout(OpKind):
         return [(node.id + ":mask", numel(local_in[0]))] if node.attrs["p"] > 0 else []
 
     def constructor(self, node, ctx):
-        stream = "default" if node.in_layouts[0] in ("I", "R") else "tensor-parallel"
-        return f'runtime.Dropout({node.attrs["p"]!r}, rng_tracker=rng_tracker, stream="{stream}")'
+        layout = node.in_layouts[0]
+        stream = "default" if layout in ("I", "R") else "tensor-parallel"
+        where = f', layout="{layout}", tp=self.tp' if layout in ("S(s)", "S(h)") and ctx.tp > 1 else ""
+        return f'runtime.Dropout({node.attrs["p"]!r}, rng_tracker=rng_tracker, stream="{stream}"{where})'
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({args[0]})"

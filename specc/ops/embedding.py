@@ -25,7 +25,7 @@ class Embedding(OpKind):
 
     def check(self, attrs, locs, ctx):
         need_divisible(attrs["num_embeddings"], ctx.tp, "num_embeddings", locs.get("num_embeddings"),
-                       f"pad the vocabulary to a multiple of {ctx.tp} (Megatron's make-vocab-size-divisible-by)")
+                       f"pad the vocabulary to a multiple of {ctx.tp}, as Megatron's --make-vocab-size-divisible-by does")
 
     def weights(self, attrs):
         return [Weight("weight", (attrs["num_embeddings"], attrs["embedding_dim"]), "normal", 0)]

@@ -229,8 +229,8 @@ def _set_outputs(g: Graph, op: Op, ctx: Ctx) -> None:
 
 def _check_divisible(g: Graph, op: Op, value: Value, ctx: Ctx) -> None:
     if value.layout == SS and value.shape[0] % ctx.tp:
-        raise SpecError(op.loc, f"sequence length {value.shape[0]} is not divisible by tensor-model-parallel size "
-                        f"{ctx.tp} (sequence parallelism shards the sequence of '{value.name}')",
+        raise SpecError(op.loc, f"sequence length {value.shape[0]} of '{value.name}' is not divisible by "
+                        f"tensor-model-parallel size {ctx.tp}, over which sequence parallelism shards it",
                         "choose a seq_length that divides by the TP size, or turn off --sequence-parallel")
     if value.layout == SH and value.shape[-1] % ctx.tp:
         raise SpecError(op.loc, f"last dim {value.shape[-1]} of '{value.name}' is not divisible by tensor-model-parallel "

@@ -51,3 +51,22 @@ def test_bad_spec_fails_before_starting_ranks():
     result = verify("specs/gpt-tiny.yaml", "--tp", "3")
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "not divisible by tensor-model-parallel size 3" in result.stderr
+
+
+DROPOUT = ["--set", "hidden_dropout=0.1", "--set", "attention_dropout=0.1"]
+
+
+def test_dropout_compares_exactly_with_tp_invariant_masks():
+    result = verify("specs/gpt-tiny.yaml", "--tp", "2", "--sp", "on", *DROPOUT, "--tp-invariant-dropout")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "12 passed, 0 failed (2 settings)"
+
+
+def test_dropout_compares_statistically_otherwise():
+    result = verify("specs/gpt-tiny.yaml", "--tp", "2", "--sp", "both", *DROPOUT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("per-token loss with dropout (32 masks each)") == 3
+    # a forward bug moves the expected per-token losses far beyond mask noise (gradient-only bugs
+    # need the exact mode: this check sees the forward pass alone)
+    broken = verify("specs/gpt-tiny.yaml", "--tp", "2", "--sp", "on", *DROPOUT, "--mutate", "one-slab-segments")
+    assert broken.returncode == 1 and "FAIL" in broken.stdout
