@@ -55,18 +55,18 @@ class _Emitter:
 
     # -- structure --------------------------------------------------------------------------
     def _items_by_scope(self) -> dict:
-        """For every module instance scope, its own ops and the child calls, in execution order."""
-        items: dict = {s: [] for s in self.g.scopes}
-        for scope in self.g.repeats:
-            items.setdefault(scope, [])
+        """For every module instance scope, its own ops and its child calls, in execution order
+        (a child's call sits where the child's first op runs)."""
+        items: dict = {s: [] for s in list(self.g.scopes) + list(self.g.repeats)}
+        announced: set = set()
         for op in self.g.iter_ops():
             items[op.scope].append(("op", op))
             scope = op.scope
-            while scope:  # announce the call of each enclosing child in its parent, once
+            while scope and scope not in announced:
                 child, parent = self._child_of(scope)
-                if not items[parent] or items[parent][-1] != ("call", child):
-                    if ("call", child) in items[parent]:
-                        break
+                announced.add(scope)
+                if child not in announced or child == scope:
+                    announced.add(child)
                     items[parent].append(("call", child))
                 scope = parent
         return items
@@ -75,7 +75,7 @@ class _Emitter:
         """(the child call that contains `scope`, the scope that makes that call)."""
         parent = scope.rsplit(".", 1)[0] if "." in scope else ""
         if parent in self.g.repeats:  # layers.3 is called through the repeated group `layers`
-            return parent, (parent.rsplit(".", 1)[0] if "." in parent else "")
+            return parent, self.g.caller_of(scope)
         return scope, parent
 
     def class_for(self, scope: str) -> str:

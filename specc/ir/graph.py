@@ -76,6 +76,14 @@ class Graph:
         self.calls: dict[str, tuple] = {}  # module instance scope -> (argument value ids, returned value ids)
         self.call_names: dict[str, list] = {}  # module instance scope -> the caller's names for its results
 
+    def caller_of(self, scope: str) -> str:
+        """The scope whose forward makes the call of `scope` (a repeated group's instances are
+        called by the group's caller)."""
+        parent = scope.rsplit(".", 1)[0] if "." in scope else ""
+        if parent in self.repeats:
+            parent = parent.rsplit(".", 1)[0] if "." in parent else ""
+        return parent
+
     def rebind(self, old: str, new: str, scope: str) -> None:
         """A value converted in `scope` replaces the original where it crosses module calls: as a
         return value of the calls that contain `scope`, as an argument of the others."""

@@ -205,12 +205,14 @@ def _insert_path(g: Graph, value: Value, want: str, scope: str, before, ctx: Ctx
 def _local_name(g: Graph, value: Value, scope: str) -> str:
     """The name `scope` knows a value by: a child module's result is named by the call's target."""
     for callee, (_, outs) in g.calls.items():
-        parent = callee.rsplit(".", 1)[0] if "." in callee else ""
-        if callee and parent == scope and callee not in g.repeats and value.id in outs:
-            return g.call_names[callee][outs.index(value.id)]
-        if callee in g.repeats and (callee.rsplit(".", 1)[0] if "." in callee else "") == scope and value.id in outs:
+        if callee and value.id in outs and g.caller_of(callee) == scope and not _is_instance(g, callee):
             return g.call_names[callee][outs.index(value.id)]
     return value.name
+
+
+def _is_instance(g: Graph, scope: str) -> bool:
+    """One instance of a repeated module (`layers.3`); its results are named at the group call."""
+    return "." in scope and scope.rsplit(".", 1)[0] in g.repeats
 
 
 def _set_outputs(g: Graph, op: Op, ctx: Ctx) -> None:

@@ -1,0 +1,111 @@
+"""`specc train SPEC [flags]`: validate everything, then launch the ranks through torchrun.
+
+Megatron's flag names, with Megatron's meaning, so Megatron's command lines work after
+`specc train SPEC --nproc-per-node N`. `torchrun ... -m runtime.train SPEC [flags]` runs the
+same thing for people who launch ranks themselves. Nothing here imports torch: the runtime is
+imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..cli import MEGATRON_CONFIG_FLAGS
+
+LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
+                "rdzv_endpoint", "rdzv_id")
+
+
+def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
+    p.add_argument("spec", metavar="SPEC", help="a model spec (.yaml)")
+    if launcher:
+        g = p.add_argument_group("launch (passed to torchrun)")
+        g.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N",
+                       help="ranks on this node (default 1: run in this process)")
+        g.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes (default 1)")
+        g.add_argument("--node-rank", "--node_rank", type=int, default=None, metavar="R")
+        g.add_argument("--master-addr", "--master_addr", default=None, metavar="HOST")
+        g.add_argument("--master-port", "--master_port", type=int, default=None, metavar="PORT")
+        g.add_argument("--rdzv-backend", "--rdzv_backend", default=None)
+        g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT")
+        g.add_argument("--rdzv-id", "--rdzv_id", default=None)
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1, metavar="N")
+    g.add_argument("--sequence-parallel", "--sp", dest="sp", action="store_true",
+                   help="sequence parallelism between the tensor-parallel GEMMs (needs TP > 1)")
+    g.add_argument("--context-parallel-size", dest="cp", type=int, default=1, metavar="N", help="must be 1")
+    g.add_argument("--pipeline-model-parallel-size", dest="pp", type=int, default=1, metavar="N", help="must be 1")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard Adam state and fp32 master weights over the data-parallel ranks")
+    g.add_argument("--ddp-bucket-size", type=int, default=4_000_000, metavar="ELEMENTS",
+                   help="gradient elements per data-parallel bucket (default 4000000)")
+    g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
+                   help="reduce gradients after backward instead of overlapping with it")
+
+    g = p.add_argument_group("model (override the spec's config)")
+    for key, flag in MEGATRON_CONFIG_FLAGS.items():
+        g.add_argument(flag, dest=f"cfg_{key}", type=int, default=None, metavar="N")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config value of the spec; repeatable")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1, metavar="B")
+    g.add_argument("--global-batch-size", type=int, default=None, metavar="B",
+                   help="default: micro batch * DP (no accumulation)")
+    g.add_argument("--train-iters", type=int, default=100, metavar="N")
+    g.add_argument("--eval-interval", type=int, default=1000, metavar="N")
+    g.add_argument("--eval-iters", type=int, default=10, metavar="N", help="global batches per evaluation (0: none)")
+    g.add_argument("--log-interval", type=int, default=100, metavar="N")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and autocast, fp32 master weights and grads")
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+
+    g = p.add_argument_group("optimizer (AdamW) and learning rate")
+    g.add_argument("--lr", type=float, default=1.0e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0, metavar="N")
+    g.add_argument("--lr-decay-style", default="linear", choices=("constant", "linear", "cosine"))
+    g.add_argument("--lr-decay-iters", type=int, default=None, metavar="N", help="default: --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1.0e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient norm limit (0: no clipping)")
+
+    g = p.add_argument_group("data, checkpoints, logs")
+    g.add_argument("--data-path", default=None, metavar="DIR",
+                   help="a directory from `specc data prepare` (default: the Python standard library's sources, "
+                   "byte tokenizer, prepared into RUN_DIR/data)")
+    g.add_argument("--split", default="969,30,1", metavar="TRAIN,VALID[,TEST]")
+    g.add_argument("--save", default=None, metavar="DIR")
+    g.add_argument("--load", default=None, metavar="DIR")
+    g.add_argument("--save-interval", type=int, default=None, metavar="N")
+    g.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="config.json, metrics.jsonl, tensorboard/ (default runs/SPEC_NAME)")
+    g.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="progress bar (default: when stderr is a terminal)")
+    g.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def build_rank_parser() -> argparse.ArgumentParser:
+    """The parser of `python -m runtime.train` (one rank; torchrun launched it)."""
+    p = argparse.ArgumentParser(prog="python -m runtime.train",
+                                description="Train a compiled spec (run under torchrun, one process per rank).")
+    add_train_arguments(p, launcher=False)
+    p.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # from `specc train`, already checked
+    return p
+
+
+def cmd_train(args) -> int:
+    from runtime.train.main import launch  # imports torch: only now
+
+    return launch(args)
+
+
+def add_parsers(sub) -> None:
+    c = sub.add_parser("train", help="train a spec on torchrun ranks (Megatron's flags; imports torch)",
+                       description="Train SPEC. Megatron's flags keep their meaning; --nproc-per-node N launches "
+                       "N ranks through torchrun (its multi-node flags pass through).")
+    add_train_arguments(c, launcher=True)
+    c.set_defaults(func=cmd_train)
