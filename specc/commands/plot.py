@@ -56,12 +56,14 @@ def plot_run(run_dir: str, output: str) -> str:
     window = max(1, len(train) // 50)
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     ax1.plot(its, loss, color="tab:blue", alpha=0.3, linewidth=0.8, label="train loss")
-    ax1.plot(its, _smooth(loss, window), color="tab:blue", linewidth=1.5, label=f"train loss (mean of {window})")
+    smooth = _smooth(loss, window)
+    ax1.plot(its, smooth, color="tab:blue", linewidth=1.5, label=f"train loss (mean of {window})")
     if evals:
         ax1.plot([r["iteration"] for r in evals], [r["loss"] for r in evals], "o-", color="tab:orange",
                  label="validation loss")
     ax1.set_ylabel("loss (nats/token)")
-    ax1.set_title(f"{os.path.basename(os.path.abspath(run_dir))}: loss {loss[0]:.3f} -> {loss[-1]:.3f}")
+    ax1.set_title(f"{os.path.basename(os.path.abspath(run_dir))}: train loss {loss[0]:.3f} -> {smooth[-1]:.3f} "
+                  f"(last {window} mean) in {its[-1]} iterations")
     ax1.grid(alpha=0.3)
     ax1.legend()
     ax2.plot(its, [t if t is not None else float("nan") for t in tps], color="tab:green", alpha=0.3, linewidth=0.8)

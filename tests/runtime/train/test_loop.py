@@ -1,0 +1,155 @@
+"""The loop end to end: a 4-rank TP=2 x DP=2 run follows single-process math and trains; a run
+resumed from a checkpoint continues exactly; the rules checked before anything starts; what a
+run writes (JSONL, TensorBoard events, the log lines and progress bar)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pytest
+from train_helpers import assert_params_close, make_corpus, run_steps, tiny_config
+
+from runtime.parallel_state import ProcessGroups
+from runtime.train.config import OptimizerConfig, ParallelConfig, TrainConfig, resolve
+from runtime.train.main import run
+from runtime.train.report import Reporter
+from runtime.train.tensorboard import crc32c, read_scalars
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(str(tmp_path_factory.mktemp("loop")))
+
+
+def _tp2_dp2(rank, world, data):
+    pg = ProcessGroups.initialize(tp=2)
+    try:
+        assert (pg.tp.size, pg.dp.size) == (2, 2)
+        cfg = tiny_config(world, data, tp=2, sp=True, dist_opt=True, bucket=25_000)
+        assert cfg.num_micro_batches == 2
+        losses, norms, params, _ = run_steps(cfg, pg, 3)
+        return losses, norms, params
+    finally:
+        pg.destroy()
+
+
+def test_tp2_dp2_follows_single_process_math(gloo, corpus):
+    ref_losses, ref_norms, ref_params, _ = run_steps(tiny_config(1, corpus), ProcessGroups.single(), 3)
+    for losses, norms, params in gloo.run(4, _tp2_dp2, corpus):
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert norms == pytest.approx(ref_norms, rel=1e-4)
+        assert_params_close(params, ref_params)
+
+
+def _train_run(rank, world, data, run_dir):
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    try:
+        cfg = tiny_config(world, data, tp=2, sp=True, mbs=4, gbs=16, dist_opt=True, lr=5e-3, train_iters=40,
+                          eval_interval=20, eval_iters=2)
+        cfg.schedule.lr_warmup_iters = 5
+        cfg.schedule.lr_decay_style = "cosine"
+        cfg.logging.run_dir, cfg.logging.log_interval, cfg.logging.progress = run_dir, 10, False
+        cfg.parallel.dp = 1  # derived again inside run
+        return run(cfg, stream=io.StringIO())
+    finally:
+        for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+            os.environ.pop(key, None)
+
+
+def test_a_4_rank_tp2_dp2_run_trains(gloo, corpus, tmp_path):
+    run_dir = str(tmp_path / "run")
+    assert gloo.run(4, _train_run, corpus, run_dir) == [0, 0, 0, 0]
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["iteration"] for r in train] == list(range(1, 41))
+    assert train[-1]["consumed_samples"] == 40 * 16
+    first, last = sum(r["loss"] for r in train[:5]) / 5, sum(r["loss"] for r in train[-5:]) / 5
+    assert first > 4.5 and last < first - 1.0, (first, last)  # a byte LM starts near ln(256) = 5.55
+    assert [e["iteration"] for e in evals] == [20, 40] and evals[1]["loss"] < evals[0]["loss"]
+    assert train[0]["lr"] == pytest.approx(1e-3) and train[4]["lr"] == pytest.approx(5e-3)  # warmup
+    assert train[-1]["lr"] < train[10]["lr"]  # cosine decay
+    saved = json.load(open(os.path.join(run_dir, "config.json")))
+    assert saved["train"]["parallel"] == {"tp": 2, "sp": True, "cp": 1, "pp": 1, "dp": 2}
+    assert saved["model"]["seq_length"] == 32
+
+
+def _single_run(data, run_dir, iters, save=None, load=None, save_interval=None):
+    cfg = tiny_config(1, data, mbs=2, gbs=4, train_iters=iters, eval_iters=0)
+    cfg.logging.run_dir, cfg.logging.progress = run_dir, False
+    cfg.checkpoint.save, cfg.checkpoint.load, cfg.checkpoint.save_interval = save, load, save_interval
+    assert run(cfg, stream=io.StringIO()) == 0
+    return [json.loads(line)["loss"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def test_resume_from_a_checkpoint_continues_exactly(corpus, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    full = _single_run(corpus, str(tmp_path / "a"), 6, save=ckpt, save_interval=3)
+    assert sorted(os.listdir(ckpt)) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"]
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3\n")  # resume from the middle
+    resumed = _single_run(corpus, str(tmp_path / "b"), 6, load=ckpt)
+    assert resumed == pytest.approx(full[3:], rel=1e-6)
+
+
+def test_rules_checked_before_anything_starts():
+    def errors(world, **kw):
+        par = {k: kw.pop(k) for k in ("tp", "cp", "pp") if k in kw}
+        opt = {k: kw.pop(k) for k in ("lr",) if k in kw}
+        split = kw.pop("split", None)
+        cfg = TrainConfig(spec="x.yaml", parallel=ParallelConfig(**par), optimizer=OptimizerConfig(**opt), **kw)
+        if split is not None:
+            cfg.data.split = split
+        return resolve(cfg, world)
+
+    cfg = TrainConfig(spec="x.yaml", parallel=ParallelConfig(tp=2), micro_batch_size=2, global_batch_size=16)
+    assert resolve(cfg, 8) == [] and cfg.parallel.dp == 4 and cfg.num_micro_batches == 2
+    assert errors(6, tp=4) == ["world size 6 is not divisible by TP*CP*PP = 4*1*1 = 4 (world = TP*CP*DP*PP)"]
+    assert errors(4, tp=2, micro_batch_size=2, global_batch_size=6) == [
+        "--global-batch-size 6 is not divisible by micro batch * DP = 2*2 = 4 "
+        "(global batch = micro batch * DP * accumulation steps)"]
+    many = errors(4, pp=2, lr=-1.0, train_iters=0)
+    assert len(many) == 3 and all("\n" not in e for e in many)
+    assert any("pipeline parallelism is not implemented" in e for e in many)
+    cfg = TrainConfig(spec="x.yaml", micro_batch_size=3)
+    assert resolve(cfg, 2) == [] and cfg.global_batch_size == 6  # default: no accumulation
+    assert errors(1, split="1,2,3,4")[0].startswith("--split 1,2,3,4: expected 2 or 3")
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_reporter_writes_jsonl_tensorboard_and_megatron_lines(tmp_path):
+    out, bar = io.StringIO(), _Tty()
+    rep = Reporter(str(tmp_path), train_iters=4, log_interval=2, stream=out, bar_stream=bar)
+    assert rep.progress  # a terminal gets a progress bar
+    rep.start({"lr": 0.1}, {"seq_length": 8})
+    for it in range(1, 5):
+        rep.train(iteration=it, consumed_samples=4 * it, lr=0.1, loss=5.0 - it, grad_norm=1.5, step_time=0.5,
+                  tokens=64, batch_size=4, memory_mb=10.0, skipped=False)
+    rep.evaluation(iteration=4, loss=1.25)
+    rep.close()
+    lines = out.getvalue().splitlines()
+    logs = [ln for ln in lines if "iteration " in ln and "consumed samples" in ln]
+    assert len(logs) == 2 and "lm loss: 3.500000E+00" in logs[0] and "tokens per second: 128.0" in logs[0]
+    assert "learning rate: 1.000000E-01" in logs[1] and "grad norm: 1.500" in logs[1]
+    assert any("validation loss at iteration 4 | lm loss value: 1.250000E+00" in ln for ln in lines)
+    assert "lm.seq_length" not in out.getvalue() and "model.seq_length" in out.getvalue()
+    assert "ETA" in bar.getvalue() and "4/4" in bar.getvalue()
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["kind"] for r in records] == ["train"] * 4 + ["eval"]
+    (event_file,) = os.listdir(tmp_path / "tensorboard")
+    version, scalars = read_scalars(str(tmp_path / "tensorboard" / event_file))
+    assert version == "brain.Event:2"
+    loss = [(s, v) for s, t, v in scalars if t == "lm loss"]
+    assert loss == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.0)]
+    assert (4, "validation loss", 1.25) in scalars
+
+
+def test_crc32c_known_values():
+    assert crc32c(b"") == 0
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value

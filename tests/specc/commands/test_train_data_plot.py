@@ -1,0 +1,142 @@
+"""`specc train`, `specc data prepare` and `specc plot` as a user runs them: Megatron's command
+line accepted, every broken rule one line and exit 2 before any rank starts, a 2-rank TP=2+SP
+run through torchrun, `torchrun -m runtime.train` launched by hand, and the loss plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
+SEED_FLAGS = ("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 2 --global-batch-size 32 "
+              "--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 "
+              "--use-distributed-optimizer").split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from runtime.data import prepare, stdlib_files
+
+    out = str(tmp_path_factory.mktemp("cli") / "corpus")
+    prepare(stdlib_files(limit=8), "byte", out)
+    return out
+
+
+def test_command_modules_do_not_import_torch():
+    code = ("import sys, specc.cli, specc.commands.train, specc.commands.data, specc.commands.plot; "
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'imported at import time'")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_megatrons_command_line_is_accepted_with_its_meaning(specc):
+    from runtime.train.main import check, config_from_args
+    from specc import cli
+    from specc.commands import register_all
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, type(parser._subparsers._group_actions[0])))
+    if "train" not in sub.choices:
+        register_all(sub)
+    args = parser.parse_args(["train", GPT_TINY, "--nproc-per-node", "2", *SEED_FLAGS])
+    cfg = config_from_args(args)
+    spec = check(cfg, world_size=2)  # the rules, and the spec compiled with the flags
+    assert (cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.dp) == (2, True, 1)
+    assert (cfg.micro_batch_size, cfg.global_batch_size, cfg.num_micro_batches) == (2, 32, 16)
+    assert cfg.optimizer.use_distributed_optimizer
+    assert {k: spec.config[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")} == {
+        "num_layers": 12, "hidden_size": 1024, "num_attention_heads": 16, "seq_length": 2048}
+    assert spec.config["ffn_hidden_size"] == 4096 and spec.config["max_position_embeddings"] == 2048  # derived
+
+
+def test_broken_rules_are_one_line_each_and_nothing_starts(specc, corpus, tmp_path):
+    run_dir = str(tmp_path / "never")
+    code, out, err = specc("train", GPT_TINY, "--nproc-per-node", "3", "--tp", "2", "--run-dir", run_dir)
+    assert code == 2 and err.strip() == ("error: world size 3 is not divisible by TP*CP*PP = 2*1*1 = 2 "
+                                         "(world = TP*CP*DP*PP)")
+    code, _, err = specc("train", GPT_TINY, "--nproc-per-node", "4", "--tp", "2", "--micro-batch-size", "2",
+                         "--global-batch-size", "6", "--lr-decay-style", "linear", "--train-iters", "0",
+                         "--run-dir", run_dir)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 2 and all(ln.startswith("error: ") for ln in lines)
+    assert "global batch = micro batch * DP * accumulation steps" in lines[0]
+    code, _, err = specc("train", GPT_TINY, "--num-attention-heads", "3", "--run-dir", run_dir)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "error:" in err  # the compiler's located error
+    code, _, err = specc("train", GPT_TINY, "--tp", "2", "--sp", "--seq-length", "33", "--nproc-per-node", "2",
+                         "--data-path", corpus, "--run-dir", run_dir)
+    assert code == 2 and "error:" in err and len(err.strip().splitlines()) == 1
+    code, _, err = specc("train", GPT_TINY, "--data-path", str(tmp_path / "none"), "--run-dir", run_dir)
+    assert code == 2 and err.strip().startswith("error: --data-path ") and "specc data prepare" in err
+    code, _, err = specc("train", GPT_TINY, "--data-path", corpus, "--set", "vocab_size=128", "--run-dir", run_dir)
+    assert code == 2 and "vocabulary (256) is larger than the model's vocab_size (128)" in err
+    code, _, err = specc("train", str(tmp_path / "missing.yaml"), "--run-dir", run_dir)
+    assert code == 2 and err.strip() == f"error: {tmp_path / 'missing.yaml'}: no such spec file"
+    assert not os.path.exists(run_dir)
+
+
+def test_specc_train_runs_tp2_sp_through_torchrun_and_plots(specc, corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    code, out, err = specc("train", GPT_TINY, "--nproc-per-node", "2", "--tensor-model-parallel-size", "2",
+                           "--sequence-parallel", "--micro-batch-size", "4", "--global-batch-size", "8",
+                           "--train-iters", "6", "--log-interval", "3", "--eval-interval", "6", "--eval-iters", "1",
+                           "--lr", "3e-3", "--data-path", corpus, "--run-dir", run_dir, "--no-progress")
+    assert code == 0, out + err
+    assert "launching 2 ranks: torchrun --nproc-per-node 2" in err
+    assert "parallel.tp ..." in out and "model.seq_length ..." in out  # the effective configuration
+    assert out.count("consumed samples:") == 2 and "validation loss at iteration 6" in out
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["iteration"] for r in records if r["kind"] == "train"] == list(range(1, 7))
+    assert json.load(open(run_dir / "config.json"))["train"]["parallel"]["sp"] is True
+    assert len(os.listdir(run_dir / "tensorboard")) == 1
+    code, _, err = specc("plot", run_dir)
+    png = run_dir / "loss.png"
+    assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_torchrun_runtime_train_by_hand(corpus, tmp_path):
+    run_dir = tmp_path / "dp2"
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "runtime.train", GPT_TINY, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
+           "--eval-iters", "0", "--log-interval", "1", "--data-path", corpus, "--run-dir", str(run_dir),
+           "--use-distributed-optimizer"]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "TP 1 x CP 1 x DP 2 x PP 1" in result.stdout and "2 accumulation steps" in result.stdout
+    assert "distributed over DP=2" in result.stdout and "ratio 0.500" in result.stdout
+    assert result.stdout.count("consumed samples:") == 3
+
+
+def test_data_prepare_and_its_errors(specc, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello")
+    (src / "b.txt").write_text("world!")
+    code, _, err = specc("data", "prepare", "--input", str(src / "*.txt"), "--tokenizer", "byte",
+                         "--output", tmp_path / "out")
+    assert code == 0 and "2 documents, 11 tokens (uint8, vocabulary 256) from 2 files" in err
+    code, _, err = specc("data", "prepare", "--input", str(src / "*.md"), "--output", tmp_path / "x")
+    assert code == 2 and err.strip() == f"error: --input '{src / '*.md'}' matches no files"
+    (src / "c.txt").write_bytes(b"\xff\xfe")
+    code, _, err = specc("data", "prepare", "--input", str(src / "*.txt"), "--output", tmp_path / "x")
+    assert code == 2 and err.strip() == f"error: {src / 'c.txt'}: not UTF-8 text (byte 0xff at offset 0)"
+    assert not (tmp_path / "x").exists()
+    code, _, err = specc("data", "prepare", "--output", tmp_path / "x")
+    assert code == 2 and "--input" in err
+    code, _, err = specc("data", "prepare", "--stdlib", "--max-files", "3", "--output", tmp_path / "std")
+    assert code == 0 and "from 3 files" in err
+
+
+def test_plot_errors(specc, tmp_path):
+    code, _, err = specc("plot", tmp_path / "nope")
+    assert code == 2 and err.strip() == f"error: {tmp_path / 'nope'}: no such run directory"
+    code, _, err = specc("plot", tmp_path)
+    assert code == 2 and "no metrics.jsonl" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "metrics.jsonl").write_text("{not json\n")
+    code, _, err = specc("plot", tmp_path)
+    assert code == 2 and err.strip().endswith("metrics.jsonl:1: not a JSON line")
