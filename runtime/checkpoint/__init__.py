@@ -1,0 +1,40 @@
+"""Sharded checkpoints through torch.distributed.checkpoint: parameters (and per-parameter
+optimizer state) stored under layout-independent names at full shape, so a checkpoint saved at
+one TP x DP layout loads at any other; atomic saves with a `latest` pointer; every file checked
+before anything is loaded. See core.py and docs/checkpoints.md."""
+
+from .core import (
+    INFO,
+    LATEST,
+    CheckpointError,
+    ParamShard,
+    RankLocal,
+    complete_steps,
+    flat_param_shards,
+    latest_step,
+    load_checkpoint,
+    read_info,
+    read_tensors,
+    resolve,
+    save_checkpoint,
+    save_tensors,
+    step_dirname,
+)
+
+__all__ = [
+    "CheckpointError",
+    "INFO",
+    "LATEST",
+    "ParamShard",
+    "RankLocal",
+    "complete_steps",
+    "flat_param_shards",
+    "latest_step",
+    "load_checkpoint",
+    "read_info",
+    "read_tensors",
+    "resolve",
+    "save_checkpoint",
+    "save_tensors",
+    "step_dirname",
+]
