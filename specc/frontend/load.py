@@ -145,6 +145,8 @@ class _Builder:
         root, inputs = self._model(raw["model"], raw.value_loc("model"), modules)
         _check_module_graph(modules, root)
         desc = raw.get("description", "")
+        if "hf" in raw:
+            _check_hf(raw["hf"], raw.value_loc("hf"), self.value)
         return Spec(name, self.path, str(desc) if desc else "", config, modules, root, inputs, self.settings,
                     self.digest, raw.get("hf"))
 
@@ -527,3 +529,110 @@ def _check_arity(e, targets, m: ModuleDef, modules: dict, top: bool) -> None:
     if len(targets) != n_out:
         raise SpecError(e.loc, f"'{e.name}' returns {n_out} value(s), but {len(targets)} name(s) receive them"
                         if top else f"'{e.name}' returns {n_out} values and cannot be nested in an expression")
+
+
+# -- the Hugging Face mapping (`hf:`), read by runtime/hf and `specc hf import|export` ----------------
+
+HF_KEYS = {"architecture", "config", "export_config", "import_config", "rotary", "params", "ignore"}
+HF_PARAM_KEYS = {"specc", "hf", "transpose", "rotary"}
+HF_ROTARY_LAYOUTS = ("rotate_half", "interleaved")
+
+
+def _check_hf(hf, loc: Loc, value) -> None:
+    """Check the structure of an `hf:` block (docs/checkpoints.md), with located errors; `value`
+    evaluates ${...} in config values. Which parameters it names is checked against the compiled
+    model when it is used."""
+    if not isinstance(hf, LDict):
+        raise SpecError(loc, f"'hf' must be a mapping, got {_kind(hf)}", "e.g. hf: {architecture: ..., params: [...]}")
+    _check_keys(hf, HF_KEYS, "in 'hf'")
+    if "architecture" in hf and not isinstance(hf["architecture"], str):
+        raise SpecError(hf.value_loc("architecture"), f"'architecture' must be a string, got {_kind(hf['architecture'])}",
+                        "the Hugging Face class, e.g. LlamaForCausalLM")
+    for key in ("config", "export_config", "import_config"):
+        if key in hf:
+            _hf_config(hf[key], hf.value_loc(key), key, value)
+    if "rotary" in hf:
+        rotary = hf["rotary"]
+        if not isinstance(rotary, LDict):
+            raise SpecError(hf.value_loc("rotary"), f"'rotary' must be a mapping, got {_kind(rotary)}",
+                            "e.g. rotary: {layout: rotate_half}")
+        _check_keys(rotary, {"layout", "head_dim"}, "in 'hf.rotary'")
+        layout = rotary.get("layout")
+        if layout not in HF_ROTARY_LAYOUTS:
+            raise SpecError(rotary.value_loc("layout") if "layout" in rotary else rotary.loc,
+                            f"'rotary.layout' must be one of {', '.join(HF_ROTARY_LAYOUTS)}, got {_clip(layout)!r}",
+                            "how the Hugging Face q/k weights order each head's rotary pairs")
+        if layout == "interleaved" or "head_dim" in rotary:
+            dim = value(rotary["head_dim"], rotary.value_loc("head_dim")) if "head_dim" in rotary else None
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
+                raise SpecError(rotary.value_loc("head_dim") if "head_dim" in rotary else rotary.loc,
+                                f"'rotary.head_dim' must be an even integer, got {_kind(dim)}", "e.g. head_dim: ${head_dim}")
+    if "params" in hf:
+        _hf_params(hf["params"], hf.value_loc("params"))
+    if "ignore" in hf:
+        ignore = hf["ignore"]
+        if not isinstance(ignore, LList):
+            raise SpecError(hf.value_loc("ignore"), f"'ignore' must be a list of names, got {_kind(ignore)}")
+        for i, name in enumerate(ignore):
+            _hf_name(name, ignore.item_loc(i), "an ignored name")
+
+
+def _hf_config(cfg, loc: Loc, key: str, value) -> None:
+    if not isinstance(cfg, LDict):
+        raise SpecError(loc, f"'{key}' must be a mapping of Hugging Face config keys, got {_kind(cfg)}")
+    for k, v in cfg.items():
+        if isinstance(v, LDict):
+            _hf_config(v, cfg.value_loc(k), f"{key}.{k}", value)
+        else:
+            value(v, cfg.value_loc(k))
+
+
+def _hf_name(name, loc: Loc, what: str) -> set:
+    """A parameter name pattern; its placeholders (only {i}, a layer index)."""
+    if not isinstance(name, str) or not name:
+        raise SpecError(loc, f"{what} must be a non-empty string, got {_kind(name)}")
+    if "{" in name.replace("{i}", "") or "}" in name.replace("{i}", ""):
+        raise SpecError(loc, f"{what} '{_clip(name)}' has a placeholder other than {{i}}",
+                        "{i} stands for a layer index, e.g. layers.{i}.mlp.linear_fc1.weight")
+    return {"i"} if "{i}" in name else set()
+
+
+def _hf_params(params, loc: Loc) -> None:
+    if not isinstance(params, LList):
+        raise SpecError(loc, f"'params' must be a list, got {_kind(params)}",
+                        "one entry per parameter: - {specc: NAME, hf: HF_NAME}")
+    seen = set()
+    for n, entry in enumerate(params):
+        at = params.item_loc(n)
+        if not isinstance(entry, LDict):
+            raise SpecError(at, f"each 'params' entry must be a mapping, got {_kind(entry)}",
+                            "e.g. - {specc: embedding.weight, hf: model.embed_tokens.weight}")
+        _check_keys(entry, HF_PARAM_KEYS, "in an 'hf.params' entry")
+        for key in ("specc", "hf"):
+            if key not in entry:
+                raise SpecError(at, f"'hf.params' entry is missing '{key}'",
+                                "e.g. - {specc: embedding.weight, hf: model.embed_tokens.weight}")
+        holes = _hf_name(entry["specc"], entry.value_loc("specc"), "the specc name")
+        if entry["specc"] in seen:
+            raise SpecError(entry.value_loc("specc"), f"'{_clip(entry['specc'])}' is mapped twice")
+        seen.add(entry["specc"])
+        names = entry["hf"]
+        if isinstance(names, LList):
+            if not names:
+                raise SpecError(entry.value_loc("hf"), "'hf' must name at least one tensor")
+            items = [(x, names.item_loc(i)) for i, x in enumerate(names)]
+        else:
+            items = [(names, entry.value_loc("hf"))]
+        for name, name_loc in items:
+            if _hf_name(name, name_loc, "the hf name") != holes:
+                raise SpecError(name_loc, f"'{_clip(name)}' and '{_clip(entry['specc'])}' must both have {{i}} or neither",
+                                "{i} is the layer index on both sides")
+        if "transpose" in entry and not isinstance(entry["transpose"], bool):
+            raise SpecError(entry.value_loc("transpose"), f"'transpose' must be true or false, got {_kind(entry['transpose'])}")
+        if "rotary" in entry:
+            flags = entry["rotary"]
+            ok = isinstance(flags, bool) if not isinstance(names, LList) else (
+                isinstance(flags, LList) and len(flags) == len(names) and all(isinstance(f, bool) for f in flags))
+            if not ok:
+                raise SpecError(entry.value_loc("rotary"), "'rotary' must be true/false, or a list of true/false with "
+                                "one per 'hf' name", "which tensors hold rotary q/k heads")
