@@ -551,7 +551,7 @@ def _verify_files(path: str, info: dict, world: _World, checksums: bool) -> None
     world.agree(error)
 
 
-def _check_spec(path: str, saved: dict, mine: dict, allow_spec_change: bool) -> None:
+def check_spec(path: str, saved: dict, mine: dict, allow_spec_change: bool) -> None:
     if allow_spec_change or not saved.get("sha256") or not mine.get("sha256") or saved["sha256"] == mine["sha256"]:
         return
     raise CheckpointError(
@@ -560,7 +560,7 @@ def _check_spec(path: str, saved: dict, mine: dict, allow_spec_change: bool) -> 
         f"saved with (or allow_spec_change=True to load matching names and shapes)")
 
 
-def _check_params(path: str, saved: dict, described: dict) -> None:
+def check_params(path: str, saved: dict, described: dict) -> None:
     missing = [n for n in described if n not in saved]
     extra = [n for n in saved if n not in described]
     shapes = [f"{n} is {saved[n]['shape']} in the checkpoint, {described[n]['shape']} in this model"
@@ -611,8 +611,8 @@ def load_checkpoint(directory: str, model: torch.nn.Module, pg: ProcessGroups | 
     entries, described, params = _param_entries(model)
     error = None
     try:
-        _check_spec(path, info["spec"], _spec_identity(model, spec_name, spec_sha256), allow_spec_change)
-        _check_params(path, info["params"], described)
+        check_spec(path, info["spec"], _spec_identity(model, spec_name, spec_sha256), allow_spec_change)
+        check_params(path, info["params"], described)
     except CheckpointError as e:
         error = str(e)
     world.agree(error)

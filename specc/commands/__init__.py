@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES: tuple = ("train", "data", "plot")
+MODULES: tuple = ("train", "data", "plot", "hf")
 
 
 def register_all(sub) -> None:

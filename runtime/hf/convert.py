@@ -1,0 +1,284 @@
+"""Hugging Face <-> specc checkpoints through safetensors, driven by the spec's `hf:` mapping.
+
+import: HF_DIR (config.json + model.safetensors, or a sharded index) -> a specc checkpoint of
+    full tensors (step 0), loadable by runtime.checkpoint.load_checkpoint at any TP/DP layout.
+export: a specc checkpoint (any layout it was saved at) -> HF_DIR that transformers'
+    from_pretrained reads.
+
+Per mapping entry: GPT-2's Conv1D weights are [in, out] (`transpose: true`); fused specc weights
+([q | k | v], [gate | up]) are split into / joined from one HF tensor per segment, the segment
+sizes coming from the compiled model; rotary q/k rows are permuted when the HF layout is
+interleaved (specc's rotary op rotates halves, as HF Llama's weights already do).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+
+import torch
+
+from specc.errors import SpecError
+
+from .. import api
+from ..checkpoint import CheckpointError, read_info, read_tensors, resolve, save_tensors
+from ..checkpoint.core import check_params, check_spec
+from ..parallel_state import ProcessGroups
+from .mapping import Mapping, bind, ignored, mapping_of
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class HFError(Exception):
+    """A Hugging Face directory that does not fit the spec; one line naming what does not match."""
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise HFError("safetensors: not installed (pip install safetensors; specc hf reads and writes "
+                      "safetensors files)") from None
+    return safetensors
+
+
+# -- the compiled model's parameters, without memory --------------------------------------------------
+
+def model_params(spec_path: str, overrides: dict | None = None):
+    """(spec, {"name", "sha256"}, {parameter name: ParamInit}) of the spec compiled at TP=1,
+    built on the meta device (no memory, no initialization)."""
+    source, spec, _ = api.compile_source(spec_path, 1, overrides=dict(overrides or {}))
+    module = api.load_module_from_source(source, spec.name)
+    with torch.device("meta"):
+        model = getattr(module, spec.root)(ProcessGroups.single(), None)
+    params = {name: p._specc_init for name, p in model.named_parameters()}
+    return spec, {"name": module.SPEC_NAME, "sha256": module.SPEC_SHA256}, params
+
+
+# -- layout transforms ---------------------------------------------------------------------------------
+
+def _interleaved_to_half(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of each head from (x0, y0, x1, y1, ...) to (x0, x1, ..., y0, y1, ...)."""
+    rows = t.shape[0]
+    heads = t.reshape(rows // head_dim, head_dim // 2, 2, *t.shape[1:])
+    return heads.transpose(1, 2).reshape(t.shape)
+
+
+def _half_to_interleaved(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    rows = t.shape[0]
+    heads = t.reshape(rows // head_dim, 2, head_dim // 2, *t.shape[1:])
+    return heads.transpose(1, 2).reshape(t.shape)
+
+
+def _to_specc(t: torch.Tensor, mapping: Mapping, transpose: bool, rotary: bool) -> torch.Tensor:
+    if transpose:
+        t = t.t()
+    if rotary and mapping.rotary_layout == "interleaved":
+        t = _interleaved_to_half(t, mapping.rotary_head_dim)
+    return t
+
+
+def _to_hf(t: torch.Tensor, mapping: Mapping, transpose: bool, rotary: bool) -> torch.Tensor:
+    if rotary and mapping.rotary_layout == "interleaved":
+        t = _half_to_interleaved(t, mapping.rotary_head_dim)
+    if transpose:
+        t = t.t()
+    return t.contiguous().clone()  # its own storage: safetensors refuses tensors that share memory
+
+
+def _segments(name: str, meta, entry, count: int) -> tuple:
+    if meta.shard_dim is None or len(meta.segments) != count:
+        have = f"segments {list(meta.segments)}" if meta.shard_dim is not None else "no segments"
+        raise SpecError(entry.loc, f"'{name}' has {have}, but the hf mapping names {count} tensors for it",
+                        "give one hf name per segment, in segment order")
+    return meta.shard_dim, list(meta.segments)
+
+
+# -- reading a Hugging Face directory -------------------------------------------------------------------
+
+class _SafetensorsDir:
+    def __init__(self, directory: str):
+        safe_open = _safetensors().safe_open
+        self.directory = directory
+        index = os.path.join(directory, INDEX)
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(os.path.join(directory, WEIGHTS)):
+            weight_map = None
+        else:
+            raise HFError(f"{directory}: no {WEIGHTS} or {INDEX} (only safetensors checkpoints are read)")
+        files = sorted(set(weight_map.values())) if weight_map is not None else [WEIGHTS]
+        self._handles, self.where = {}, {}
+        for fname in files:
+            path = os.path.join(directory, fname)
+            if not os.path.isfile(path):
+                raise HFError(f"{directory}: {fname}, listed in {INDEX}, is missing")
+            try:
+                handle = safe_open(path, framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors reports truncation etc. in several types
+                raise HFError(f"{path}: not a readable safetensors file ({e})") from None
+            self._handles[fname] = handle
+            for key in handle.keys():
+                self.where[key] = fname
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self.where[name]].get_tensor(name)
+
+
+def read_hf_config(directory: str) -> dict:
+    path = os.path.join(directory, CONFIG)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise HFError(f"{directory}: no {CONFIG}") from None
+    except ValueError as e:
+        raise HFError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise HFError(f"{path}: not a JSON object")
+    return config
+
+
+def _same_value(want, have) -> bool:
+    if isinstance(want, bool) or isinstance(have, bool):
+        return want is have
+    if isinstance(want, (int, float)) and isinstance(have, (int, float)):
+        return float(want) == float(have)
+    return want == have
+
+
+def check_config(mapping: Mapping, config: dict, where: str, spec_name: str) -> None:
+    """Every value the mapping's `config` and `import_config` declare must equal config.json's
+    (keys that config.json leaves out or sets to null are not checked)."""
+    if mapping.architecture is not None and config.get("architectures"):
+        if mapping.architecture not in config["architectures"]:
+            raise HFError(f"{where}: the model is {', '.join(map(str, config['architectures']))}, but spec "
+                          f"{spec_name} maps {mapping.architecture}")
+
+    def walk(want: dict, have: dict, prefix: str) -> None:
+        for key, value in want.items():
+            got = have.get(key) if isinstance(have, dict) else None
+            if got is None:
+                continue
+            if isinstance(value, dict):
+                walk(value, got, f"{prefix}{key}.")
+            elif not _same_value(value, got):
+                raise HFError(f"{where}: config.json has {prefix}{key} = {json.dumps(got)}, but spec {spec_name} "
+                              f"gives {json.dumps(value)}")
+
+    walk(mapping.config, config, "")
+    walk(mapping.import_config, config, "")
+
+
+# -- import -------------------------------------------------------------------------------------------
+
+def _fresh_output(out: str) -> None:
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise HFError(f"{out}: already exists and is not empty (choose a new directory)")
+
+
+def import_hf(hf_dir: str, spec_path: str, out: str, overrides: dict | None = None) -> dict:
+    """Import HF_DIR into a new specc checkpoint directory OUT (step 0). Returns a summary."""
+    _fresh_output(out)
+    spec, identity, params = model_params(spec_path, overrides)
+    mapping = mapping_of(spec)
+    bound = bind(mapping, params, spec.name)
+    config = read_hf_config(hf_dir)
+    check_config(mapping, config, hf_dir, spec.name)
+    source = _SafetensorsDir(hf_dir)
+
+    tensors, used = {}, set()
+    for name, meta in params.items():
+        entry, hf_names = bound[name]
+        pieces = []
+        for k, hf_name in enumerate(hf_names):
+            if hf_name not in source.where:
+                raise HFError(f"{hf_dir}: no tensor {hf_name} (for {name})")
+            used.add(hf_name)
+            pieces.append(_to_specc(source.get(hf_name), mapping, entry.transpose, entry.rotary[k]))
+        if entry.fused:
+            dim, sizes = _segments(name, meta, entry, len(pieces))
+            for piece, size, hf_name in zip(pieces, sizes, hf_names):
+                if piece.dim() <= dim or piece.shape[dim] != size:
+                    raise HFError(f"{hf_dir}: {hf_name} has shape {list(piece.shape)}, but segment of {name} "
+                                  f"has {size} along dim {dim}")
+            full = torch.cat(pieces, dim=dim)
+        else:
+            full = pieces[0]
+        if tuple(full.shape) != tuple(meta.full_shape):
+            shown = " + ".join(hf_names)
+            raise HFError(f"{hf_dir}: {shown} gives {name} the shape {list(full.shape)}, but spec {spec.name} "
+                          f"has {list(meta.full_shape)}")
+        tensors[name] = full.contiguous()
+    extra = sorted(n for n in source.where if n not in used and not ignored(mapping, n))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise HFError(f"{hf_dir}: tensor {extra[0]}{more} is not in spec {spec.name}'s hf mapping "
+                      f"(map it, or list it under hf.ignore)")
+
+    path = save_tensors(out, 0, tensors, spec_sha256=identity["sha256"], spec_name=identity["name"],
+                        config={"hf_import": {"from": os.path.abspath(hf_dir), "architecture": mapping.architecture,
+                                              "spec": spec_path, "overrides": dict(overrides or {})}})
+    return {"path": path, "tensors": len(used), "parameters": sum(t.numel() for t in tensors.values()),
+            "spec": identity["name"], "architecture": mapping.architecture}
+
+
+# -- export -------------------------------------------------------------------------------------------
+
+def export_hf(ckpt: str, spec_path: str, out: str, overrides: dict | None = None, step: int | None = None,
+              allow_spec_change: bool = False) -> dict:
+    """Export a specc checkpoint (a save directory's latest step, `step`, or one checkpoint) to a
+    new Hugging Face directory OUT. Returns a summary."""
+    save_file = _safetensors().torch.save_file
+    _fresh_output(out)
+    spec, identity, params = model_params(spec_path, overrides)
+    mapping = mapping_of(spec)
+    bound = bind(mapping, params, spec.name)
+    path = resolve(ckpt, step)
+    info = read_info(path)
+    check_spec(path, info["spec"], identity, allow_spec_change)
+    check_params(path, info["params"], {n: {"shape": list(m.full_shape)} for n, m in params.items()})
+    full = read_tensors(path, list(params))
+
+    tensors = {}
+    for name, meta in params.items():
+        entry, hf_names = bound[name]
+        if entry.fused:
+            dim, sizes = _segments(name, meta, entry, len(hf_names))
+            pieces = torch.split(full[name], sizes, dim=dim)
+        else:
+            pieces = [full[name]]
+        for k, (piece, hf_name) in enumerate(zip(pieces, hf_names)):
+            tensors[hf_name] = _to_hf(piece, mapping, entry.transpose, entry.rotary[k])
+    dtypes = {t.dtype for t in tensors.values()}
+    config = {"architectures": [mapping.architecture] if mapping.architecture else None, **mapping.config,
+              **mapping.export_config}
+    if len(dtypes) == 1:
+        config["dtype"] = str(dtypes.pop()).replace("torch.", "")
+    config = {k: v for k, v in config.items() if v is not None}
+
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.tmp-{secrets.token_hex(4)}")
+    os.makedirs(tmp)
+    try:
+        save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(tmp, CONFIG), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty (checked above)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"path": out, "tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values()),
+            "step": info["step"], "spec": identity["name"], "architecture": mapping.architecture}
+
+
+__all__ = ["HFError", "CheckpointError", "export_hf", "import_hf", "model_params", "read_hf_config", "check_config"]

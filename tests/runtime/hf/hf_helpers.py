@@ -1,0 +1,128 @@
+"""Small random Hugging Face models built from a config (no download) that match the tiny specs,
+and the compiled models' logits, here and in spawned gloo ranks."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import runtime
+from runtime.parallel_state import ProcessGroups
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+SPECS = {"gpt": os.path.join(ROOT, "specs", "gpt-tiny.yaml"), "llama": os.path.join(ROOT, "specs", "llama-tiny.yaml")}
+
+
+def hf_config(family: str, **changes):
+    """The transformers config of specs/gpt-tiny.yaml / specs/llama-tiny.yaml."""
+    if family == "gpt":
+        from transformers import GPT2Config
+
+        kw = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=32, n_inner=256,
+                  activation_function="gelu",  # the spec's gelu is exact (erf), GPT-2's default is tanh
+                  layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                  bos_token_id=0, eos_token_id=0)
+        kw.update(changes)
+        return GPT2Config(**kw)
+    from transformers import LlamaConfig
+
+    kw = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, intermediate_size=96,
+              num_hidden_layers=2, vocab_size=256, max_position_embeddings=32, rms_norm_eps=1e-5)
+    kw.update(changes)
+    return LlamaConfig(**kw)
+
+
+def hf_model(family: str, seed: int = 0, **changes):
+    """A random model; every parameter (norm weights and biases included) moved off its init, so
+    a mapping that mixes up two tensors cannot go unnoticed."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family, **changes))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+def save_hf(family: str, directory: str, seed: int = 0, dtype=None, **changes):
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # it writes to stderr, which the CLI tests read
+    model = hf_model(family, seed, **changes)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(directory)
+    return model
+
+
+def batch(b: int = 2, s: int = 32, vocab: int = 256, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (b, s + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+@torch.no_grad()
+def hf_logits(model) -> torch.Tensor:
+    tokens, _ = batch()
+    return model(input_ids=tokens).logits.float()
+
+
+def hf_loss(logits: torch.Tensor) -> torch.Tensor:
+    _, labels = batch()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             reduction="none").reshape(labels.shape)
+
+
+@torch.no_grad()
+def specc_logits(model, pg) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [b, s, vocab], per-token loss [b, s]) of a compiled model: the output layer's
+    vocab-sharded [s, b, vocab/t] output captured by a hook and gathered over TP."""
+    captured = []
+    handle = model.output_layer.register_forward_hook(lambda m, i, out: captured.append(out.detach()))
+    tokens, labels = batch()
+    model.eval()
+    loss = model(tokens, labels)
+    handle.remove()
+    local = captured[0].float().contiguous()
+    if pg.tp.size > 1:
+        pieces = [torch.empty_like(local) for _ in range(pg.tp.size)]
+        dist.all_gather(pieces, local, group=pg.tp.group)
+        local = torch.cat(pieces, dim=-1)
+    return local.transpose(0, 1).contiguous(), loss.float()
+
+
+def load_and_run(rank, world, family: str, ckpt: str, sp: bool = True):
+    """On `world` ranks (or in this process when world == 1): the spec at TP=world, loaded from
+    `ckpt`; returns (logits, per-token loss)."""
+    from runtime.checkpoint import load_checkpoint
+
+    pg = ProcessGroups.initialize(tp=world) if world > 1 else ProcessGroups.single()
+    try:
+        model = runtime.build_model(SPECS[family], pg, seed=123, sp=sp and world > 1)
+        out = load_checkpoint(ckpt, model, pg)
+        assert out["resharded"] == (world > 1)
+        return specc_logits(model, pg)
+    finally:
+        pg.destroy()
+
+
+def save_specc(rank, world, family: str, directory: str):
+    """A compiled model at TP=world with random weights (not an init), saved; returns its logits."""
+    from runtime.checkpoint import save_checkpoint
+
+    pg = ProcessGroups.initialize(tp=world) if world > 1 else ProcessGroups.single()
+    try:
+        model = runtime.build_model(SPECS[family], pg, seed=321, sp=world > 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                meta = p._specc_init
+                g = torch.Generator().manual_seed(len(name) * 7919 + sum(map(ord, name)))
+                full = torch.randn(meta.full_shape, generator=g) * 0.05 + (1.0 if meta.kind == "ones" else 0.0)
+                p.copy_(runtime.init.local_slice(full, meta))
+        save_checkpoint(directory, 9, model, pg)
+        return specc_logits(model, pg)
+    finally:
+        pg.destroy()
