@@ -73,3 +73,20 @@ __all__ = [
     "is_tp_partial_grad",
     "finalize_model_grads",
 ]
+
+# Checkpoints (runtime.checkpoint) and Hugging Face interop (runtime.hf), imported on first use:
+# torch.distributed.checkpoint alone takes most of a second to import.
+_LAZY = {
+    "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "latest_step": "checkpoint",
+    "CheckpointError": "checkpoint", "ParamShard": "checkpoint", "RankLocal": "checkpoint",
+    "import_hf": "hf", "export_hf": "hf",
+}
+__all__ += list(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,6 +3,7 @@ optimizer state) stored under layout-independent names at full shape, so a check
 one TP x DP layout loads at any other; atomic saves with a `latest` pointer; every file checked
 before anything is loaded. See core.py and docs/checkpoints.md."""
 
+from .adam import adam_state, restore_adam
 from .core import (
     INFO,
     LATEST,
@@ -26,6 +27,8 @@ from .core import (
 __all__ = [
     "CheckpointError",
     "INFO",
+    "adam_state",
+    "restore_adam",
     "LATEST",
     "ParamShard",
     "RankLocal",
