@@ -137,7 +137,7 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
     opt = cfg.optimizer
     if opt.lr <= 0:
         errors.append(f"--lr must be positive, got {opt.lr}")
-    if opt.min_lr < 0 or opt.min_lr > opt.lr:
+    elif opt.min_lr < 0 or opt.min_lr > opt.lr:
         errors.append(f"--min-lr must be between 0 and --lr ({opt.lr}), got {opt.min_lr}")
     if opt.clip_grad < 0:
         errors.append(f"--clip-grad must be at least 0 (0 disables clipping), got {opt.clip_grad}")

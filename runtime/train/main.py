@@ -142,8 +142,6 @@ def _error_lines(e: Exception) -> list:
 def launch(args) -> int:
     from specc.errors import SpecError
 
-    from .checkpoint import CheckpointError
-
     try:
         cfg = config_from_args(args)
         if args.nproc_per_node < 1 or args.nnodes < 1:
@@ -154,7 +152,7 @@ def launch(args) -> int:
         if cfg.data.data_path is None:
             cfg.data.data_path = default_data(cfg.logging.run_dir, log=lambda m: print(m, file=sys.stderr))
             check(cfg, world)
-    except (ConfigError, SpecError, DataError, CheckpointError) as e:
+    except (ConfigError, SpecError, DataError) as e:
         for line in _error_lines(e):
             print(line, file=sys.stderr)
         return 2
@@ -213,8 +211,8 @@ def run(cfg: TrainConfig, stream=None) -> int:
 
     from specc.errors import SpecError
 
+    from ..checkpoint import CheckpointError, adam_state, load_checkpoint, restore_adam, save_checkpoint
     from ..parallel_state import ProcessGroups
-    from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     from .report import NullReporter, Reporter
     from .training import TrainState, resolve_device, setup_model_and_optimizer, train
 
@@ -259,19 +257,29 @@ def run(cfg: TrainConfig, stream=None) -> int:
         datasets = build_datasets(cfg.data.data_path, seq, cfg.seed, split_weights(cfg.data.split))
         if rank == 0:
             reporter = Reporter(cfg.logging.run_dir, cfg.train_iters, cfg.logging.log_interval,
-                                progress=cfg.logging.progress, stream=stream)
+                                progress=cfg.logging.progress, stream=stream, append=bool(cfg.checkpoint.load))
         reporter.start(cfg.to_dict(), setup.spec.config)
         _report_setup(reporter, cfg, setup, pg, datasets)
         state = TrainState()
-        if cfg.checkpoint.load:
+        if cfg.checkpoint.load:  # any TP x DP layout: runtime.checkpoint reshards
             try:
-                state.iteration, state.consumed_samples = load_checkpoint(cfg.checkpoint.load, setup, pg)
+                out = load_checkpoint(cfg.checkpoint.load, setup.model, pg,
+                                      optimizer_state=adam_state(setup.optimizer, setup.model),
+                                      rng_tracker=setup.rng_tracker)
             except CheckpointError as e:
                 return fail(e)
-            reporter.info(f"loaded checkpoint from {cfg.checkpoint.load} at iteration {state.iteration}")
+            restore_adam(setup.optimizer, out["optimizer_state"])
+            state.iteration = int(out["step"])
+            state.consumed_samples = int(out["data_state"]["consumed_samples"])
+            reporter.info(f"loaded checkpoint {out['path']} at iteration {state.iteration}"
+                          + (f" (saved at {out['saved_layout']}, resharded)" if out["resharded"] else ""))
 
         def save(st):
-            path = save_checkpoint(cfg.checkpoint.save, st.iteration, st.consumed_samples, setup, pg, cfg.to_dict())
+            path = save_checkpoint(cfg.checkpoint.save, st.iteration, setup.model, pg,
+                                   optimizer_state=adam_state(setup.optimizer, setup.model),
+                                   scheduler_state={"iteration": st.iteration},
+                                   data_state={"consumed_samples": st.consumed_samples},
+                                   rng_tracker=setup.rng_tracker, config=cfg.to_dict())
             reporter.info(f"saved checkpoint {path}")
 
         losses = train(setup, datasets, cfg, pg, reporter, state, save_fn=save if cfg.checkpoint.save else None)

@@ -46,14 +46,15 @@ class NullReporter:
 
 class Reporter:
     def __init__(self, run_dir: str, train_iters: int, log_interval: int, progress: bool | None = None,
-                 stream=None, bar_stream=None):
+                 stream=None, bar_stream=None, append: bool = False):
         self.run_dir = run_dir
         self.train_iters, self.log_interval = train_iters, log_interval
         self.stream = stream or sys.stdout
         self.bar_stream = bar_stream or sys.stderr
         self.progress = self.bar_stream.isatty() if progress is None else progress
         os.makedirs(run_dir, exist_ok=True)
-        self._metrics = open(os.path.join(run_dir, METRICS), "a", encoding="utf-8")
+        # A resumed run appends to its metrics; a new run starts them afresh.
+        self._metrics = open(os.path.join(run_dir, METRICS), "a" if append else "w", encoding="utf-8")
         self._tb = EventWriter(os.path.join(run_dir, "tensorboard"))
         self._window: list = []
         self._bar_shown = False

@@ -51,6 +51,7 @@ def _train_run(rank, world, data, run_dir):
         cfg.schedule.lr_warmup_iters = 5
         cfg.schedule.lr_decay_style = "cosine"
         cfg.logging.run_dir, cfg.logging.log_interval, cfg.logging.progress = run_dir, 10, False
+        cfg.checkpoint.save = os.path.join(run_dir, "ckpt")
         cfg.parallel.dp = 1  # derived again inside run
         return run(cfg, stream=io.StringIO())
     finally:
@@ -74,6 +75,17 @@ def test_a_4_rank_tp2_dp2_run_trains(gloo, corpus, tmp_path):
     saved = json.load(open(os.path.join(run_dir, "config.json")))
     assert saved["train"]["parallel"] == {"tp": 2, "sp": True, "cp": 1, "pp": 1, "dp": 2}
     assert saved["model"]["seq_length"] == 32
+    # Its final checkpoint loads in one process at TP=1 (resharded) as the same model: the
+    # validation loss on the same samples agrees.
+    cfg = tiny_config(1, corpus, mbs=4, gbs=16, dist_opt=True, train_iters=40, eval_iters=2)
+    cfg.logging.run_dir, cfg.logging.progress = str(tmp_path / "tp1"), False
+    cfg.checkpoint.load = os.path.join(run_dir, "ckpt")
+    out = io.StringIO()
+    assert run(cfg, stream=out) == 0
+    assert "resharded" in out.getvalue()
+    (again,) = [json.loads(line) for line in open(tmp_path / "tp1" / "metrics.jsonl")]
+    assert again["kind"] == "eval" and again["iteration"] == 40
+    assert again["loss"] == pytest.approx(evals[1]["loss"], rel=1e-5)
 
 
 def _single_run(data, run_dir, iters, save=None, load=None, save_interval=None):
@@ -85,13 +97,13 @@ def _single_run(data, run_dir, iters, save=None, load=None, save_interval=None):
 
 
 def test_resume_from_a_checkpoint_continues_exactly(corpus, tmp_path):
+    from runtime.checkpoint import complete_steps, step_dirname
+
     ckpt = str(tmp_path / "ckpt")
     full = _single_run(corpus, str(tmp_path / "a"), 6, save=ckpt, save_interval=3)
-    assert sorted(os.listdir(ckpt)) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"]
-    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("3\n")  # resume from the middle
-    resumed = _single_run(corpus, str(tmp_path / "b"), 6, load=ckpt)
-    assert resumed == pytest.approx(full[3:], rel=1e-6)
+    assert complete_steps(ckpt) == [3, 6]
+    resumed = _single_run(corpus, str(tmp_path / "b"), 6, load=os.path.join(ckpt, step_dirname(3)))
+    assert resumed == pytest.approx(full[3:], rel=1e-6)  # iterations 4..6 again, the same
 
 
 def test_rules_checked_before_anything_starts():
