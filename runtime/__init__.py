@@ -90,3 +90,10 @@ def __getattr__(name):
 
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+# Training pieces: data-parallel gradient buckets, the (distributed) optimizer and its LR schedule.
+# The loop itself is runtime.train (setup_model_and_optimizer, train, train_step, evaluate).
+from .ddp import DistributedDataParallel  # noqa: E402
+from .optim import Adam, LRSchedule  # noqa: E402
+
+__all__ += ["DistributedDataParallel", "Adam", "LRSchedule"]

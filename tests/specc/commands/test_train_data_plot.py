@@ -140,3 +140,17 @@ def test_plot_errors(specc, tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{not json\n")
     code, _, err = specc("plot", tmp_path)
     assert code == 2 and err.strip().endswith("metrics.jsonl:1: not a JSON line")
+
+
+def test_without_data_path_the_stdlib_corpus_is_prepared_and_reused(specc, tmp_path):
+    run_dir = tmp_path / "default"
+    args = ("train", GPT_TINY, "--train-iters", "2", "--micro-batch-size", "2", "--eval-iters", "1",
+            "--log-interval", "1", "--run-dir", run_dir, "--no-progress")
+    code, out, err = specc(*args)
+    assert code == 0, out + err
+    assert f"wrote {run_dir / 'data'}:" in err
+    meta = json.load(open(run_dir / "data" / "dataset.json"))
+    assert meta["tokenizer"]["type"] == "byte" and meta["num_documents"] > 100  # the standard library
+    assert out.count("consumed samples:") == 2
+    code, out, err = specc(*args)  # a second run reuses the prepared corpus
+    assert code == 0 and "wrote" not in err
