@@ -271,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("generated", nargs="?", default="generated", help="the generated root (default generated/)")
     c.set_defaults(func=cmd_check)
 
+    from .commands import register_all  # train, data, plot, hf: each in its own module
+
+    register_all(sub)
     return p
 
 
