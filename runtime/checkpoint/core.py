@@ -556,8 +556,8 @@ def check_spec(path: str, saved: dict, mine: dict, allow_spec_change: bool) -> N
         return
     raise CheckpointError(
         f"{path}: saved from spec {saved.get('name')} (sha256 {saved['sha256'][:16]}), but this model is spec "
-        f"{mine.get('name')} (sha256 {mine['sha256'][:16]}); load it with the spec and --set overrides it was "
-        f"saved with (or allow_spec_change=True to load matching names and shapes)")
+        f"{mine.get('name')} (sha256 {mine['sha256'][:16]}); use the spec and --set overrides it was saved with, "
+        f"or allow a spec change (allow_spec_change=True, --allow-spec-change) to load matching names and shapes")
 
 
 def check_params(path: str, saved: dict, described: dict) -> None:
