@@ -66,12 +66,13 @@ class CoreAttention(nn.Module):
         # [s, b, n, d] -> [b, n, s, d]; each kv head serves num_heads/num_kv_heads
         # consecutive query heads (repeat_interleave, as in HF Llama).
         group = self.num_heads // self.num_kv_heads
-        q = q4.permute(1, 2, 0, 3)
-        k = k4.permute(1, 2, 0, 3).repeat_interleave(group, dim=1)
-        v = v4.permute(1, 2, 0, 3).repeat_interleave(group, dim=1)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q4, k4, v4))
         invariant = p > 0 and self.rng_tracker is not None and self.rng_tracker.tp_invariant
         if self.backend == "sdpa" and not invariant:  # SDPA draws its own mask: the debug mode needs ours
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+            # SDPA groups query heads over kv heads itself: no repeated copies of k and v are kept
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal, enable_gqa=group > 1)
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return self._unfused(q, k, v, p)
 
     def _invariant_keep(self, probs: torch.Tensor, p: float) -> torch.Tensor:
