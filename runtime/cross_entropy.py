@@ -9,6 +9,7 @@ the local shard is softmax minus one-hot, both local.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import comm
 from .parallel_state import Group
@@ -59,4 +60,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp:
             f"expected logits [s, b, V/t] and labels [b, s]; got logits {tuple(logits.shape)} "
             f"and labels {tuple(labels.shape)}"
         )
+    if tp.size == 1:  # the whole vocabulary is here: torch's fused kernel, no collectives
+        s, b, v = logits.shape
+        flat = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(s * b, v)
+        return F.cross_entropy(flat, labels.t().reshape(s * b), reduction="none").view(s, b).t().contiguous()
     return _VocabParallelCrossEntropy.apply(logits, labels, tp)
