@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-I, R, SS, SH, P = "I", "R", "S(s)", "S(h)", "P"
+I, R, SS, SH, P = "I", "R", "S(s)", "S(h)", "P"  # noqa: E741 (the design's names)
 ALL = (I, R, SS, SH, P)
 
 

@@ -13,7 +13,7 @@ import argparse
 from ..cli import MEGATRON_CONFIG_FLAGS
 
 LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
-                "rdzv_endpoint", "rdzv_id")
+                "rdzv_endpoint", "rdzv_id", "max_restarts")
 
 
 def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
@@ -29,6 +29,9 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
         g.add_argument("--rdzv-backend", "--rdzv_backend", default=None)
         g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT")
         g.add_argument("--rdzv-id", "--rdzv_id", default=None)
+        g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="R",
+                       help="torchrun's elastic restarts after a rank fails (default 0); a restarted run resumes "
+                       "from the latest checkpoint in --save")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1, metavar="N")
@@ -81,6 +84,8 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--save", default=None, metavar="DIR")
     g.add_argument("--load", default=None, metavar="DIR")
     g.add_argument("--save-interval", type=int, default=None, metavar="N")
+    g.add_argument("--keep-last", type=int, default=None, metavar="K",
+                   help="keep only the newest K checkpoints in --save (default: all)")
     g.add_argument("--run-dir", default=None, metavar="DIR",
                    help="config.json, metrics.jsonl, tensorboard/ (default runs/SPEC_NAME)")
     g.add_argument("--progress", dest="progress", action="store_true", default=None,

@@ -9,7 +9,7 @@ import os
 import jinja2
 
 from .. import __version__
-from ..layouts import I, P, R, SH, SS
+from ..layouts import SH, SS, I, P, R
 from ..ops import OPS
 from ..ops.base import EmitCtx
 

@@ -95,5 +95,5 @@ def check_generated(root: str, out) -> int:
     summary = f"{checked} generated module(s) checked, {stale} stale file(s)"
     out.write(summary + "\n")
     if stale:
-        out.write(f"generated/ is stale: recompile with the command in each model.py's COMPILE_COMMAND\n")
+        out.write("generated/ is stale: recompile with the command in each model.py's COMPILE_COMMAND\n")
     return 1 if stale else 0

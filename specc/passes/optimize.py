@@ -9,7 +9,7 @@ cancel_inverses   a conversion immediately undone (X -> Y -> X) is dropped
 from __future__ import annotations
 
 from ..ir.graph import Absorbed, Graph
-from ..layouts import I, R, SS
+from ..layouts import SS, I, R
 
 _ABSORBABLE = {(I, R): "copy", (SS, R): "gather"}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..errors import SpecError
 from ..ir.graph import Graph, Op, Value
-from ..layouts import I, P, R, SH, SS, conversion_path, local_shape
+from ..layouts import SH, SS, I, P, R, conversion_path
 from ..ops import OPS, Ctx
 
 PREFERENCE = (SS, I, SH, R)  # after the home layout, which wins ties

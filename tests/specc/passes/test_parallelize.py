@@ -7,8 +7,7 @@ import os
 import pytest
 
 from specc.errors import SpecError
-from specc.layouts import I, P, R, SH, SS
-
+from specc.layouts import SH, SS, I, P, R
 
 SPECS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "specs")
 
