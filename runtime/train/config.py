@@ -54,6 +54,7 @@ class CheckpointConfig:
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
+    keep_last: int | None = None  # keep only the newest K checkpoints in `save` (None: all)
 
 
 @dataclass
@@ -134,6 +135,10 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"--save-interval must be at least 1, got {cfg.checkpoint.save_interval}")
     if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save is None:
         errors.append("--save-interval needs --save DIR")
+    if cfg.checkpoint.keep_last is not None and cfg.checkpoint.keep_last < 1:
+        errors.append(f"--keep-last must be at least 1, got {cfg.checkpoint.keep_last}")
+    elif cfg.checkpoint.keep_last is not None and cfg.checkpoint.save is None:
+        errors.append("--keep-last needs --save DIR")
     opt = cfg.optimizer
     if opt.lr <= 0:
         errors.append(f"--lr must be positive, got {opt.lr}")

@@ -48,7 +48,8 @@ def config_from_args(args) -> TrainConfig:
         schedule=ScheduleConfig(lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
                                 lr_decay_iters=args.lr_decay_iters),
         data=DataConfig(data_path=args.data_path, split=args.split),
-        checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval),
+        checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
+                                    keep_last=args.keep_last),
         logging=LoggingConfig(run_dir=args.run_dir or os.path.join("runs", _spec_stem(args.spec)),
                               log_interval=args.log_interval, progress=args.progress),
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
@@ -147,6 +148,8 @@ def launch(args) -> int:
         if args.nproc_per_node < 1 or args.nnodes < 1:
             raise ConfigError([f"--nproc-per-node and --nnodes must be at least 1, got {args.nproc_per_node}, "
                                f"{args.nnodes}"])
+        if args.max_restarts < 0:
+            raise ConfigError([f"--max-restarts must be at least 0, got {args.max_restarts}"])
         world = args.nproc_per_node * args.nnodes
         check(cfg, world)
         if cfg.data.data_path is None:
@@ -156,13 +159,15 @@ def launch(args) -> int:
         for line in _error_lines(e):
             print(line, file=sys.stderr)
         return 2
-    if world == 1:
-        return run(cfg)
+    if world == 1 and args.max_restarts == 0:
+        return run(cfg)  # nothing to restart: this process is the rank
     # Every rank re-checks; derived values (DP, global batch) are derived again from the world.
     cfg.parallel.dp = 1
     payload = json.dumps(cfg.to_dict())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
            "--nnodes", str(args.nnodes)]
+    if args.max_restarts:
+        cmd += ["--max-restarts", str(args.max_restarts)]
     passthrough = {"node_rank": "--node-rank", "master_addr": "--master-addr", "master_port": "--master-port",
                    "rdzv_backend": "--rdzv-backend", "rdzv_endpoint": "--rdzv-endpoint", "rdzv_id": "--rdzv-id"}
     given = {flag: getattr(args, name) for name, flag in passthrough.items() if getattr(args, name) is not None}
@@ -175,8 +180,9 @@ def launch(args) -> int:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
-    print(f"launching {world} ranks: torchrun --nproc-per-node {args.nproc_per_node} --nnodes {args.nnodes} "
-          f"-m runtime.train {cfg.spec} ...", file=sys.stderr, flush=True)
+    restarts = f" --max-restarts {args.max_restarts}" if args.max_restarts else ""
+    print(f"launching {world} rank{'s' if world > 1 else ''}: torchrun --nproc-per-node {args.nproc_per_node} "
+          f"--nnodes {args.nnodes}{restarts} -m runtime.train {cfg.spec} ...", file=sys.stderr, flush=True)
     try:
         return subprocess.call(cmd, env=env)
     except KeyboardInterrupt:
@@ -211,14 +217,24 @@ def run(cfg: TrainConfig, stream=None) -> int:
 
     from specc.errors import SpecError
 
-    from ..checkpoint import CheckpointError, adam_state, load_checkpoint, restore_adam, save_checkpoint
+    from ..checkpoint import (
+        CheckpointError,
+        adam_state,
+        latest_step,
+        load_checkpoint,
+        read_info,
+        restore_adam,
+        save_checkpoint,
+    )
+    from ..checkpoint import resolve as checkpoint_path
     from ..parallel_state import ProcessGroups
     from .report import NullReporter, Reporter
-    from .training import TrainState, resolve_device, setup_model_and_optimizer, train
+    from .training import TrainState, reload_master_weights, resolve_device, setup_model_and_optimizer, train
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's elastic attempt
 
     def fail(e) -> int:
         if rank == 0:
@@ -230,12 +246,23 @@ def run(cfg: TrainConfig, stream=None) -> int:
         check(cfg, world)
     except (ConfigError, SpecError, DataError) as e:
         return fail(e)
+    # What to load: --load, or on an elastic restart the newest checkpoint this run saved; a
+    # checkpoint without optimizer and data state (`specc hf import`) gives the weights only.
+    load, weights_only = cfg.checkpoint.load, False
+    try:
+        if restart > 0 and cfg.checkpoint.save and latest_step(cfg.checkpoint.save) is not None:
+            load = cfg.checkpoint.save
+        if load:
+            info = read_info(checkpoint_path(load))
+            weights_only = info.get("optimizer") is None or not info.get("data")
+    except CheckpointError as e:
+        return fail(e)
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     initialized_here = False
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        init_process_group("nccl" if device.type == "cuda" else "gloo")
         initialized_here = True
     pg = ProcessGroups.initialize(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp) if world > 1 \
         else ProcessGroups.single()
@@ -255,15 +282,28 @@ def run(cfg: TrainConfig, stream=None) -> int:
         setup = setup_model_and_optimizer(cfg, pg, device)
         seq = setup.spec.config["seq_length"]
         datasets = build_datasets(cfg.data.data_path, seq, cfg.seed, split_weights(cfg.data.split))
-        if rank == 0:
+        if rank == 0:  # a resumed run (or a restarted one) appends to its metrics; a new one starts afresh
             reporter = Reporter(cfg.logging.run_dir, cfg.train_iters, cfg.logging.log_interval,
-                                progress=cfg.logging.progress, stream=stream, append=bool(cfg.checkpoint.load))
+                                progress=cfg.logging.progress, stream=stream,
+                                append=bool(load and not weights_only) or restart > 0)
         reporter.start(cfg.to_dict(), setup.spec.config)
         _report_setup(reporter, cfg, setup, pg, datasets)
+        if restart > 0:
+            reporter.info(f"elastic restart {restart}: "
+                          + (f"resuming from {load}" if load else "no checkpoint to resume from, starting over"))
         state = TrainState()
-        if cfg.checkpoint.load:  # any TP x DP layout: runtime.checkpoint reshards
+        if load and weights_only:  # the model's weights only: iteration 0, a fresh optimizer
             try:
-                out = load_checkpoint(cfg.checkpoint.load, setup.model, pg,
+                out = load_checkpoint(load, setup.model, pg)
+            except CheckpointError as e:
+                return fail(e)
+            reload_master_weights(setup.optimizer)
+            reporter.info(f"loaded model weights from {out['path']} (no optimizer or data state in it): "
+                          f"training starts at iteration 0 with a fresh optimizer"
+                          + (f" (saved at {out['saved_layout']}, resharded)" if out["resharded"] else ""))
+        elif load:  # any TP x DP layout: runtime.checkpoint reshards
+            try:
+                out = load_checkpoint(load, setup.model, pg,
                                       optimizer_state=adam_state(setup.optimizer, setup.model),
                                       rng_tracker=setup.rng_tracker)
             except CheckpointError as e:
@@ -279,10 +319,12 @@ def run(cfg: TrainConfig, stream=None) -> int:
                                    optimizer_state=adam_state(setup.optimizer, setup.model),
                                    scheduler_state={"iteration": st.iteration},
                                    data_state={"consumed_samples": st.consumed_samples},
-                                   rng_tracker=setup.rng_tracker, config=cfg.to_dict())
+                                   rng_tracker=setup.rng_tracker, config=cfg.to_dict(),
+                                   keep_last=cfg.checkpoint.keep_last)
             reporter.info(f"saved checkpoint {path}")
 
-        losses = train(setup, datasets, cfg, pg, reporter, state, save_fn=save if cfg.checkpoint.save else None)
+        losses = train(setup, datasets, cfg, pg, reporter, state, save_fn=save if cfg.checkpoint.save else None,
+                       before_step=_test_kill_hook(rank, world, restart))
         if cfg.checkpoint.save and not (cfg.checkpoint.save_interval and
                                         state.iteration % cfg.checkpoint.save_interval == 0):
             save(state)
@@ -295,6 +337,46 @@ def run(cfg: TrainConfig, stream=None) -> int:
         pg.destroy()
         if initialized_here:
             dist.destroy_process_group()
+
+
+def init_process_group(backend: str) -> None:
+    """torch.distributed's env:// initialization (torchrun's MASTER_ADDR/PORT, RANK, WORLD_SIZE),
+    with the store keys of each elastic attempt under their own prefix. torchrun keeps one store
+    for all attempts (the agent's); without the prefix, the ranks of a restart would read the gloo
+    addresses that the dead ranks of the attempt before published, and fail to connect."""
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:  # not under torchrun: nothing is restarted
+        dist.init_process_group(backend)
+        return
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=default_pg_timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"specc/attempt_{attempt}", store), rank=rank,
+                            world_size=world_size, timeout=default_pg_timeout)
+
+
+KILL_AT_ITER = "SPECC_TEST_KILL_AT_ITER"
+
+
+def _test_kill_hook(rank: int, world: int, restart: int):
+    """A test-only fault: with SPECC_TEST_KILL_AT_ITER=N in the environment, the last rank
+    SIGKILLs itself just before iteration N, on the first attempt only (TORCHELASTIC_RESTART_COUNT
+    0 or unset), so tests can check that `--max-restarts` resumes from the last checkpoint. Unset
+    (always, outside tests), it does nothing."""
+    value = os.environ.get(KILL_AT_ITER)
+    if not value or restart > 0 or rank != world - 1:
+        return None
+    kill_at = int(value)
+
+    def before_step(iteration: int) -> None:
+        if iteration == kill_at:
+            import signal
+
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return before_step
 
 
 def _report_setup(reporter, cfg: TrainConfig, setup, pg, datasets) -> None:

@@ -91,6 +91,16 @@ def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch
     return Setup(model, ddp, optimizer, schedule, spec, rng, device, forward_step_for(spec))
 
 
+@torch.no_grad()
+def reload_master_weights(optimizer: Adam) -> None:
+    """After the model's weights were replaced (a weights-only checkpoint): the optimizer's fp32
+    master weights, a separate copy when the parameters are bf16, start from them again.
+    Without this the first step would write the old masters back over the loaded weights."""
+    if optimizer.separate_master:
+        for r in optimizer.ranges:
+            r.master.copy_(r.param)
+
+
 # -- one step ------------------------------------------------------------------------------------------
 
 @dataclass
@@ -171,14 +181,17 @@ class TrainState:
 
 
 def train(setup: Setup, datasets: dict, cfg: TrainConfig, pg: ProcessGroups, reporter, state: TrainState,
-          save_fn: Callable | None = None) -> list:
-    """Run iterations state.iteration+1 .. train_iters; returns the per-iteration losses."""
+          save_fn: Callable | None = None, before_step: Callable[[int], None] | None = None) -> list:
+    """Run iterations state.iteration+1 .. train_iters; returns the per-iteration losses.
+    save_fn(state) saves a checkpoint; before_step(iteration) runs before each iteration."""
     losses = []
     seq = setup.spec.config["seq_length"]
     tokens_per_step = cfg.global_batch_size * seq
     evaluated_at = None
     while state.iteration < cfg.train_iters:
         iteration = state.iteration + 1
+        if before_step is not None:
+            before_step(iteration)
         lr = setup.schedule(iteration)
         start = time.perf_counter()
         batches = [micro_batch(datasets["train"], state.consumed_samples, m, cfg, pg, setup.device)

@@ -1,0 +1,138 @@
+"""`specc train` and checkpoints from the command line: `--keep-last K` prunes old checkpoints,
+`--max-restarts R` survives a killed rank by restarting from the last checkpoint (the same losses
+as a run nobody killed), and `--load` of a `specc hf import` checkpoint trains from its weights
+with a fresh optimizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
+SMALL = ("--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "0", "--log-interval", "1",
+         "--no-progress")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from runtime.data import prepare, stdlib_files
+
+    out = str(tmp_path_factory.mktemp("ckpt_cli") / "corpus")
+    prepare(stdlib_files(limit=8), "byte", out)
+    return out
+
+
+def _train_records(run_dir) -> list:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == "train"]
+
+
+def test_keep_last_keeps_the_newest_checkpoints(specc, corpus, tmp_path):
+    from runtime.checkpoint import complete_steps, latest_step
+
+    ckpt = tmp_path / "ckpt"
+    code, out, err = specc("train", GPT_TINY, "--train-iters", "5", "--save", ckpt, "--save-interval", "1",
+                           "--keep-last", "2", "--data-path", corpus, "--run-dir", tmp_path / "run", *SMALL)
+    assert code == 0, out + err
+    assert out.count("saved checkpoint") == 5  # five saves, the last two kept
+    assert complete_steps(str(ckpt)) == [4, 5] and latest_step(str(ckpt)) == 5
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_0000004", "step_0000005"]  # nothing half-deleted
+
+    for flags, message in ((("--save", ckpt, "--keep-last", "0"), "error: --keep-last must be at least 1, got 0"),
+                           (("--keep-last", "2"), "error: --keep-last needs --save DIR"),
+                           (("--max-restarts", "-1"), "error: --max-restarts must be at least 0, got -1")):
+        code, _, err = specc("train", GPT_TINY, *flags, "--data-path", corpus, "--run-dir", tmp_path / "never")
+        assert (code, err) == (2, message + "\n")
+    assert complete_steps(str(ckpt)) == [4, 5] and not (tmp_path / "never").exists()
+
+    # `torchrun -m runtime.train` takes the same flag
+    from runtime.train.main import config_from_args
+    from specc.commands.train import build_rank_parser
+
+    args = build_rank_parser().parse_args([GPT_TINY, "--save", str(ckpt), "--keep-last", "3"])
+    assert config_from_args(args).checkpoint.keep_last == 3
+
+
+def test_max_restarts_resumes_a_killed_rank_from_the_last_checkpoint(specc, corpus, tmp_path, monkeypatch):
+    from runtime.checkpoint import complete_steps, latest_step
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # TP=2 + SP with dropout: the resumed run must also restore every rank's RNG streams
+    flags = ("--nproc-per-node", "2", "--tp", "2", "--sp", "--set", "hidden_dropout=0.1", "--train-iters", "6",
+             "--save-interval", "2", "--keep-last", "2", "--data-path", corpus, *SMALL)
+    code, out, err = specc("train", GPT_TINY, *flags, "--save", tmp_path / "a", "--run-dir", tmp_path / "a")
+    assert code == 0, out + err
+    straight = [(r["iteration"], r["loss"]) for r in _train_records(tmp_path / "a")]
+    assert [i for i, _ in straight] == [1, 2, 3, 4, 5, 6]
+
+    monkeypatch.setenv("SPECC_TEST_KILL_AT_ITER", "4")  # rank 1 SIGKILLs itself before iteration 4, once
+    code, out, err = specc("train", GPT_TINY, *flags, "--max-restarts", "1", "--save", tmp_path / "b",
+                           "--run-dir", tmp_path / "b")
+    assert code == 0, out + err[-3000:]
+    assert "--max-restarts 1" in err and "exitcode: -9" in err  # torchrun saw rank 1 die of SIGKILL
+    assert f"elastic restart 1: resuming from {tmp_path / 'b'}" in out
+    assert f"loaded checkpoint {tmp_path / 'b' / 'step_0000002'} at iteration 2" in out
+    killed = [(r["iteration"], r["loss"]) for r in _train_records(tmp_path / "b")]
+    # iterations 1-3 of the first attempt, then 3-6 again from the checkpoint of iteration 2
+    assert [i for i, _ in killed] == [1, 2, 3, 3, 4, 5, 6]
+    assert killed[:3] == straight[:3] and killed[3:] == straight[2:]  # bit-identical, dropout included
+    assert latest_step(str(tmp_path / "b")) == 6 and complete_steps(str(tmp_path / "b")) == [4, 6]
+
+
+def _first_batch_hf_loss(hf_model, corpus: str, micro_batch_size: int, micro_batches: int) -> float:
+    """The HF model's mean per-token loss on iteration 1's global batch (the loop's data order)."""
+    import torch
+
+    from runtime.data import build_datasets
+    from runtime.train.config import split_weights
+
+    train = build_datasets(corpus, 32, 1234, split_weights("969,30,1"))["train"]
+    losses = []
+    with torch.no_grad():
+        for m in range(micro_batches):
+            tokens, labels = train.micro_batch(0, m, micro_batch_size, 0, 1)
+            logits = hf_model(input_ids=torch.from_numpy(tokens)).logits
+            losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                            torch.from_numpy(labels).reshape(-1)))
+    return torch.stack(losses).mean().item()
+
+
+def test_load_of_an_hf_import_trains_from_its_weights_with_a_fresh_optimizer(specc, corpus, tmp_path):
+    pytest.importorskip("transformers")
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "runtime", "hf"))
+    from hf_helpers import save_hf
+
+    from runtime.checkpoint import read_tensors
+
+    hf_dir, imported = tmp_path / "hf", tmp_path / "imported"
+    model = save_hf("gpt", str(hf_dir), seed=7)
+    code, _, err = specc("hf", "import", hf_dir, "--spec", GPT_TINY, "--out", imported)
+    assert code == 0, err
+
+    run_dir = tmp_path / "run"
+    code, out, err = specc("train", GPT_TINY, "--load", imported, "--train-iters", "2", "--data-path", corpus,
+                           "--run-dir", run_dir, *SMALL)
+    assert code == 0, out + err
+    assert out.count("training starts at iteration 0 with a fresh optimizer") == 1
+    records = _train_records(run_dir)
+    assert [r["iteration"] for r in records] == [1, 2] and records[0]["consumed_samples"] == 4
+    assert records[0]["loss"] == pytest.approx(_first_batch_hf_loss(model, corpus, 2, 2), abs=1e-4)
+
+    # bf16: the optimizer's fp32 master weights start from the loaded weights too (with a
+    # vanishing learning rate, a step leaves the imported weights, rounded to bf16, in place)
+    saved = tmp_path / "bf16"
+    code, out, err = specc("train", GPT_TINY, "--load", imported, "--bf16", "--lr", "1e-12", "--train-iters", "1",
+                           "--save", saved, "--data-path", corpus, "--run-dir", tmp_path / "run_bf16", *SMALL)
+    assert code == 0, out + err
+    before, after = read_tensors(str(imported)), read_tensors(str(saved))
+    assert before.keys() == after.keys()
+    for name in before:
+        assert after[name].dtype == torch.bfloat16
+        torch.testing.assert_close(after[name].float(), before[name].to(torch.bfloat16).float(), rtol=0, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
