@@ -55,6 +55,7 @@ class CheckpointConfig:
     load: str | None = None
     save_interval: int | None = None
     keep_last: int | None = None  # keep only the newest K checkpoints in `save` (None: all)
+    allow_spec_change: bool = False  # load a checkpoint of another spec hash (names and shapes still checked)
 
 
 @dataclass

@@ -49,7 +49,8 @@ def config_from_args(args) -> TrainConfig:
                                 lr_decay_iters=args.lr_decay_iters),
         data=DataConfig(data_path=args.data_path, split=args.split),
         checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
-                                    keep_last=args.keep_last),
+                                    keep_last=args.keep_last,
+                                    allow_spec_change=args.allow_spec_change),
         logging=LoggingConfig(run_dir=args.run_dir or os.path.join("runs", _spec_stem(args.spec)),
                               log_interval=args.log_interval, progress=args.progress),
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
@@ -294,7 +295,7 @@ def run(cfg: TrainConfig, stream=None) -> int:
         state = TrainState()
         if load and weights_only:  # the model's weights only: iteration 0, a fresh optimizer
             try:
-                out = load_checkpoint(load, setup.model, pg)
+                out = load_checkpoint(load, setup.model, pg, allow_spec_change=cfg.checkpoint.allow_spec_change)
             except CheckpointError as e:
                 return fail(e)
             reload_master_weights(setup.optimizer)
@@ -303,7 +304,7 @@ def run(cfg: TrainConfig, stream=None) -> int:
                           + (f" (saved at {out['saved_layout']}, resharded)" if out["resharded"] else ""))
         elif load:  # any TP x DP layout: runtime.checkpoint reshards
             try:
-                out = load_checkpoint(load, setup.model, pg,
+                out = load_checkpoint(load, setup.model, pg, allow_spec_change=cfg.checkpoint.allow_spec_change,
                                       optimizer_state=adam_state(setup.optimizer, setup.model),
                                       rng_tracker=setup.rng_tracker)
             except CheckpointError as e:

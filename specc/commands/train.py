@@ -86,6 +86,8 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--save-interval", type=int, default=None, metavar="N")
     g.add_argument("--keep-last", type=int, default=None, metavar="K",
                    help="keep only the newest K checkpoints in --save (default: all)")
+    g.add_argument("--allow-spec-change", action="store_true",
+                   help="--load a checkpoint saved from another version of the spec (names and shapes still must match)")
     g.add_argument("--run-dir", default=None, metavar="DIR",
                    help="config.json, metrics.jsonl, tensorboard/ (default runs/SPEC_NAME)")
     g.add_argument("--progress", dest="progress", action="store_true", default=None,

@@ -136,3 +136,18 @@ def test_load_of_an_hf_import_trains_from_its_weights_with_a_fresh_optimizer(spe
         assert after[name].dtype == torch.bfloat16
         torch.testing.assert_close(after[name].float(), before[name].to(torch.bfloat16).float(), rtol=0, atol=1e-6,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_load_of_another_spec_version_needs_allow_spec_change(specc, corpus, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    code, out, err = specc("train", GPT_TINY, "--train-iters", "1", "--save", ckpt, "--data-path", corpus,
+                           "--run-dir", tmp_path / "a", *SMALL)
+    assert code == 0, out + err
+    changed = ("--set", "hidden_dropout=0.1")  # another spec hash, the same names and shapes
+    code, out, err = specc("train", GPT_TINY, *changed, "--train-iters", "2", "--load", ckpt, "--data-path", corpus,
+                           "--run-dir", tmp_path / "b", *SMALL)
+    assert code != 0 and "--allow-spec-change" in err, out + err
+    code, out, err = specc("train", GPT_TINY, *changed, "--train-iters", "2", "--load", ckpt, "--allow-spec-change",
+                           "--data-path", corpus, "--run-dir", tmp_path / "c", *SMALL)
+    assert code == 0, out + err
+    assert [r["iteration"] for r in _train_records(tmp_path / "c")] == [2]  # resumed after the saved step 1
