@@ -12,7 +12,8 @@ from .errors import Loc, SpecError
 
 
 def _q(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A dot string: quotes and backslashes escaped, newlines as dot's line breaks."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def to_dot(graph) -> str:
@@ -33,11 +34,11 @@ def to_dot(graph) -> str:
         for op in ops:
             if op.kind == "boundary":
                 b = op.boundary
-                label = f"{b.src} -> {b.dst}\\n{b.function}\\nfwd {b.forward or 'identity'} / bwd {b.backward or 'identity'}"
+                label = f"{b.src} -> {b.dst}\n{b.function}\nfwd {b.forward or 'identity'} / bwd {b.backward or 'identity'}"
                 lines.append(f"{indent}{_q(op.id)} [shape=diamond, style=filled, fillcolor=orange, label={_q(label)}];")
             else:
-                extra = "".join(f"\\n+ {a.boundary.function}" for a in op.absorbed)
-                label = f"{op.local_name}\\n{op.kind} [{op.impl}]{extra}"
+                extra = "".join(f"\n+ {a.boundary.function}" for a in op.absorbed)
+                label = f"{op.local_name}\n{op.kind} [{op.impl}]{extra}"
                 fill = "lightyellow" if op.absorbed else "white"
                 lines.append(f"{indent}{_q(op.id)} [shape=box, style=filled, fillcolor={fill}, label={_q(label)}];")
         if scope:
@@ -74,6 +75,9 @@ def _atomic_write(path: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the output is not
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
