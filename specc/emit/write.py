@@ -36,6 +36,9 @@ def compile_to_dir(spec, graph, root: str, command: str, name: str | None = None
     os.makedirs(root, exist_ok=True)
     target = os.path.join(root, name)
     tmp = tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; generated code is not
     try:
         for fname, text in files.items():
             with open(os.path.join(tmp, fname), "w") as f:
