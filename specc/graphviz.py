@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 
 from .errors import Loc, SpecError
+from .files import atomic_write_text
 
 
 def _q(text: str) -> str:
@@ -68,18 +68,6 @@ def write_outputs(dot: str, path: str) -> list:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise SpecError(Loc(path), "output folder does not exist")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".specc-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the output is not
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_text(path, text)

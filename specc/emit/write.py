@@ -10,6 +10,7 @@ import shutil
 import tempfile
 
 from ..errors import Loc, SpecError
+from ..files import make_public
 from ..graphviz import to_dot
 from ..plan import build_plan, plan_json, plan_text
 from .emitter import emit_model
@@ -36,9 +37,7 @@ def compile_to_dir(spec, graph, root: str, command: str, name: str | None = None
     os.makedirs(root, exist_ok=True)
     target = os.path.join(root, name)
     tmp = tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; generated code is not
+    make_public(tmp, 0o777)
     try:
         for fname, text in files.items():
             with open(os.path.join(tmp, fname), "w") as f:
