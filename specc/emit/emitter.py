@@ -5,6 +5,7 @@ every boundary is a visible call with a comment naming its collective."""
 from __future__ import annotations
 
 import os
+import textwrap
 
 import jinja2
 
@@ -90,6 +91,7 @@ class _Emitter:
             doc = mdef.description or f"The spec module {module}."
             if n > 1:
                 doc += " (A variant: its layouts differ from the first instance's.)"
+            doc = textwrap.fill(doc, width=92, subsequent_indent="    ")
             self.classes[key] = _Class(name, doc, params, init, body)
             self.order.append(key)
         return self.classes[key].name
