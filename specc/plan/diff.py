@@ -96,11 +96,13 @@ def _totals(ta: dict, tb: dict) -> list:
         if x != y:
             out.append(f"  {kind}: {x['count']} x {human_bytes(x['bytes'])} -> {y['count']} x {human_bytes(y['bytes'])}"
                        f" ({_signed(y['bytes'] - x['bytes'])})")
-    for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes"):
+    labels = {"parameter_bytes": "parameters", "gradient_bytes": "gradients", "optimizer_bytes": "optimizer state",
+              "activation_bytes": "activations"}
+    for key, label in labels.items():
         x, y = ta.get(key, 0), tb.get(key, 0)
         if x != y:
             pct = f", {100.0 * (y - x) / x:+.1f}%" if x else ""
-            out.append(f"  {key.replace('_bytes', '')}: {human_bytes(x)} -> {human_bytes(y)} ({_signed(y - x)}{pct})")
+            out.append(f"  {label}: {human_bytes(x)} -> {human_bytes(y)} ({_signed(y - x)}{pct})")
     return out
 
 

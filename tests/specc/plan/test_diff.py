@@ -21,7 +21,7 @@ def test_sequence_parallel_change_is_reported(capsys):
     assert "settings: sp False -> True" in out
     assert "+ layers.*.self_attention.out:P->S(s)" in out or "P->S(s)" in out
     assert "reduce_scatter: 0 x 0 B ->" in out
-    assert "activation:" in out
+    assert "activations:" in out
 
 
 def test_saved_plan_against_a_spec(tmp_path, capsys):
