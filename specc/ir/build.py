@@ -45,7 +45,7 @@ def _eval(g: Graph, m, scope: str, index: int, e, env: dict, targets: list) -> l
         args.extend(_eval(g, m, scope, index, a, env, [None]))
     prefix = f"{scope}." if scope else ""
     if e.kind in ("add", "mul"):
-        return _leaf(g, m, scope, index, e, e.kind, {}, f"{prefix}{e.kind}", None, args, targets, "native")
+        return _leaf(g, m, scope, index, e, e.kind, {}, f"{prefix}{e.kind}", None, args, targets, "auto")
     sub = m.submodules[e.name]
     if isinstance(sub, Ref):
         sub_scope = f"{prefix}{sub.name}"
@@ -99,7 +99,7 @@ def _row_bias(g: Graph, linear: Op, m) -> list:
     bias_id = f"{linear.id}.bias"
     out = g.add_value(Value(bias_id, src.name, src.shape, "act", bias_id))
     op = Op(bias_id, "bias_add", {"size": linear.attrs["out_features"], "owner_attr": linear.attr_name}, [src.id],
-            [out.id], linear.scope, m.name, None, linear.step, linear.loc, impl="native")
+            [out.id], linear.scope, m.name, None, linear.step, linear.loc, impl="auto")
     g.add_op(op)
     return [out.id]
 

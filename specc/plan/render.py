@@ -62,6 +62,13 @@ def plan_text(plan) -> str:
             lines.append(f"  activations per layer           {human_bytes(first):>12}")
         for pat, n in sorted(plan.groups.items()):
             lines.append(f"  {pat} folds {n} identical instances")
+    choices: dict = {}
+    for e in plan.entries:
+        if e.kind != "boundary":
+            choices[(e.impl, e.impl_reason)] = choices.get((e.impl, e.impl_reason), 0) + e.count
+    lines += ["", "implementations (why each was chosen)"]
+    for (impl, reason), n in sorted(choices.items(), key=lambda kv: (-kv[1], kv[0])):
+        lines.append(f"  {impl:<9}{n:>5} ops   {reason}")
     return "\n".join(lines) + "\n"
 
 

@@ -116,3 +116,11 @@ def test_plan_is_byte_identical_across_runs_and_hash_seeds():
                                  capture_output=True, text=True, check=True).stdout
             outputs.add((tuple(args), out))
     assert len(outputs) == 2  # one text per set of flags, whatever the hash seed
+
+
+def test_text_plan_says_why_each_implementation_was_chosen(compiled):
+    text = plan_text(build_plan(compiled("parallel-block-tiny.yaml", tp=2, sp=True)[1]))
+    why = text.split("implementations (why each was chosen)\n", 1)[1]
+    assert "auto: transformer_engine not installed" in why  # linears and norms could have used TE
+    assert "auto: transformer_engine and flash_attn not installed" in why  # attention
+    assert "merges partial sums before one reduction" in why  # the parallel block's merged sum
