@@ -87,6 +87,10 @@ class OpKind:
     def rule(self, attrs: dict, ctx: Ctx) -> LayoutRule:
         return LayoutRule(allowed=("I", "R", "S(s)", "S(h)"), accepts_reduction=not self.nonlinear)
 
+    def absorbable(self, attrs: dict) -> dict:
+        """Boundaries on input 0 this op can perform itself: {(src, dst): runtime input mode}."""
+        return {}
+
     # -- collectives the implementation issues itself: ([(kind, bytes)], [(kind, bytes)]) ----
     def collectives(self, node, full_in: list, elt: int, tp: int):
         return [], []

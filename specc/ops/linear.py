@@ -65,6 +65,11 @@ class Linear(OpKind):
             return LayoutRule(fixed_inputs=("R",), fixed_outputs=("S(h)",))
         return LayoutRule(fixed_inputs=("S(h)",), fixed_outputs=("P",))
 
+    def absorbable(self, attrs):
+        # Megatron's column GEMM gathers its sequence-parallel input itself, and all-reduces the
+        # input gradient of a replicated input while the weight gradient is computed
+        return {("S(s)", "R"): "gather", ("I", "R"): "copy"} if attrs["parallel"] == "column" else {}
+
     def collectives(self, node, full_in, elt, tp):
         nbytes = numel(full_in[0]) * elt
         fwd, bwd = [], []

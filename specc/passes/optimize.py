@@ -9,26 +9,25 @@ cancel_inverses   a conversion immediately undone (X -> Y -> X) is dropped
 from __future__ import annotations
 
 from ..ir.graph import Absorbed, Graph
-from ..layouts import SS, I, R
-
-_ABSORBABLE = {(I, R): "copy", (SS, R): "gather"}
+from ..ops import OPS
 
 
 def fuse_boundaries(g: Graph) -> None:
+    """A boundary read by exactly one op that can perform it (its contract's `absorbable`)
+    moves into that op."""
     for op in list(g.iter_ops()):
         if op.kind != "boundary":
             continue
-        b = op.boundary
-        mode = _ABSORBABLE.get((b.src, b.dst))
         consumers = g.consumers(op.outputs[0])
-        if mode is None or len(consumers) != 1 or consumers[0] == "<output>":
+        if len(consumers) != 1 or consumers[0] == "<output>":
             continue
         user = consumers[0]
-        if user.kind != "linear" or user.attrs.get("parallel") != "column" or user.inputs[0] != op.outputs[0]:
+        mode = OPS[user.kind].absorbable(user.attrs).get((op.boundary.src, op.boundary.dst))
+        if mode is None or user.inputs[0] != op.outputs[0] or op.outputs[0] in user.inputs[1:]:
             continue
         g.replace_input(user, 0, op.inputs[0])
-        user.in_layouts[0] = b.src
-        user.absorbed.append(Absorbed(b, mode))
+        user.in_layouts[0] = op.boundary.src
+        user.absorbed.append(Absorbed(op.boundary, mode))
         g.remove_op(op.id)
 
 
