@@ -115,7 +115,12 @@ class BiasAdd(OpKind):
     attrs = (Attr("size", "int", required=True),)
 
     def rule(self, attrs, ctx):
-        return LayoutRule(allowed=("I", "S(s)"), accepts_reduction=True)
+        # on partial sums (P) the bias joins on one rank only, so the sum over ranks adds it once:
+        # partial sums of a parallel block can then still meet before a single reduction
+        return LayoutRule(allowed=("I", "S(s)"), accepts_reduction=True, partial_ok=True)
 
     def call(self, node, args, ctx):
-        return f"{args[0]} + self.{node.attrs['owner_attr']}.bias"
+        bias = f"self.{node.attrs['owner_attr']}.bias"
+        if node.in_layouts and node.in_layouts[0] == "P":
+            return f"{args[0]} + {bias} * float(self.tp.rank == 0)  # on one rank: the sum adds it once"
+        return f"{args[0]} + {bias}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..errors import SpecError
 from ..ir.graph import Graph, Op, Value
-from ..layouts import SH, SS, I, P, R, conversion_path
+from ..layouts import BOUNDARIES, SH, SS, I, P, R, conversion_path
 from ..ops import OPS, Ctx
 
 PREFERENCE = (SS, I, SH, R)  # after the home layout, which wins ties
@@ -65,19 +65,36 @@ def _demands(g: Graph, ctx: Ctx) -> dict:
     that a join can look one step ahead. A fixed R demand means "home": R is made from it by a
     copy or gather that the consuming GEMM absorbs."""
     demand: dict = {v: I for v in g.outputs}
+    partial = _partial_capable(g, ctx)
     for op in reversed([g.ops[i] for i in g.order]):
         if ctx.tp == 1:
             break
         rule = OPS[op.kind].rule(op.attrs, ctx)
         out_demand = demand.get(op.outputs[0], ctx.home) if op.outputs else ctx.home
+        merging = rule.partial_ok and sum(v in partial for v in op.inputs) >= 2  # partial sums can meet here
         for i, vid in enumerate(op.inputs):
             fixed = rule.fixed_inputs[i] if rule.fixed_inputs else None
             want = fixed if fixed is not None else (out_demand if out_demand in rule.allowed else ctx.home)
+            if (merging and vid in partial) or (out_demand == P and rule.partial_ok and fixed is None):
+                want = P
             want = ctx.home if want == R else want
             if vid in demand and demand[vid] != want:
                 want = ctx.home  # consumers disagree: keep it where activations live between layers
             demand[vid] = want
     return demand
+
+
+def _partial_capable(g: Graph, ctx: Ctx) -> set:
+    """Values that can stay partial sums: outputs of ops that make P (row-parallel GEMMs), and of
+    one-input ops that keep P (a bias added on one rank)."""
+    capable: set = set()
+    for op in g.iter_ops():
+        rule = OPS[op.kind].rule(op.attrs, ctx)
+        if rule.fixed_outputs and P in rule.fixed_outputs:
+            capable.update(v for v, lay in zip(op.outputs, rule.fixed_outputs) if lay == P)
+        elif rule.partial_ok and len(op.inputs) == 1 and op.inputs[0] in capable:
+            capable.update(op.outputs)
+    return capable
 
 
 def _convert_shared_outputs(g: Graph, op: Op, ctx: Ctx, converted: dict) -> None:
@@ -112,7 +129,7 @@ def _join(g: Graph, op: Op, rule, layouts: list, values: list, ctx: Ctx) -> str:
                         f"({src.kind}) is a partial sum P",
                         "a row-parallel output must be reduced by an add, norm, dropout or linear first; "
                         "make the producer column-parallel or replicated")
-    if len(set(layouts)) == 1 and layouts[0] == P and rule.partial_ok:
+    if len(layouts) > 1 and len(set(layouts)) == 1 and layouts[0] == P and rule.partial_ok:
         return P  # partial sums meet: add them and reduce once, later
     best, best_cost = None, None
     ahead = ctx.demand.get(op.outputs[0], ctx.home) if op.outputs else ctx.home
@@ -121,6 +138,8 @@ def _join(g: Graph, op: Op, rule, layouts: list, values: list, ctx: Ctx) -> str:
             continue
         onward = None if rule.fixed_outputs else conversion_path(cand, ahead)
         cost = sum(_cost(b, g.values[values[0]].shape) for b in onward) if onward else 0
+        if onward is None and not rule.fixed_outputs:  # the consumers' layout cannot be reached from here
+            cost += 100 * _cost(BOUNDARIES[(P, I)], g.values[values[0]].shape)
         for lay, vid in zip(layouts, values):
             path = conversion_path(lay, cand)
             if path is None:
@@ -261,6 +280,9 @@ def _check_segments(g: Graph, op: Op) -> None:
 def _mark_partial_grads(op: Op) -> None:
     """Replicated weights used on rank-divergent inputs (R or S(s)) get partial gradients that
     need a tensor-parallel all-reduce: Megatron's `sequence_parallel` tag, here derived."""
+    if op.kind == "bias_add" and op.in_layouts and op.in_layouts[0] == P:
+        op.partial_grad = ["bias"]  # added on one rank: the others' gradient is zero until the all-reduce
+        return
     if not op.in_layouts or op.in_layouts[0] not in (R, SS):
         return
     if op.kind == "bias_add":

@@ -47,6 +47,14 @@ def test_broken_modules_fail_and_name_the_divergence(mutation, named):
         assert "reduce_scatter 8x/131072B  (plan: " in result.stdout
 
 
+def test_parallel_block_with_biases_added_on_one_rank():
+    result = verify("specs/parallel-block-tiny.yaml", "--tp", "2,4", "--sp", "on",
+                    "--set", "modules.SelfAttention.submodules.linear_proj.bias=true",
+                    "--set", "modules.MLP.submodules.linear_fc2.bias=true")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "18 passed, 0 failed (3 settings)"
+
+
 def test_bad_spec_fails_before_starting_ranks():
     result = verify("specs/gpt-tiny.yaml", "--tp", "3")
     assert result.returncode == 2

@@ -201,3 +201,16 @@ modules:
       - l = loss(logits, labels)
       - return l
 """
+
+
+def test_parallel_block_with_biases_still_reduces_once(compiled):
+    biases = {"modules.SelfAttention.submodules.linear_proj.bias": True,
+              "modules.MLP.submodules.linear_fc2.bias": True}
+    for sp in (False, True):
+        _, g = compiled("parallel-block.yaml", tp=2, sp=sp, overrides=biases)
+        fwd, _ = layer_collectives(g)
+        assert len([c for c in fwd if c in ("all_reduce", "reduce_scatter")]) == 1, (sp, fwd)
+        bias = g.ops["layers.0.mlp.linear_fc2.bias"]
+        assert bias.in_layouts == [P] and bias.partial_grad == ["bias"]  # added on one rank
+    _, g = compiled("gpt.yaml", tp=2, sp=True)  # no partial sums to merge: Megatron's bias after the reduction
+    assert g.ops["layers.0.mlp.linear_fc2.bias"].in_layouts == [SS]
