@@ -182,6 +182,8 @@ class _Emitter:
             else:
                 comment = (f"{op.attr_name} takes an I input as R (backward: all-reduce of the input gradient, "
                            "overlapped with the weight-gradient GEMM)")
+        if op.kind == "bias_add" and op.in_layouts and op.in_layouts[0] == P:
+            comment = "the bias joins the partial sums on one rank only, so the sum over ranks adds it once"
         if op.kind == "cross_entropy" and op.in_layouts and op.in_layouts[0] == SH:
             comment = "vocab-parallel cross-entropy on sharded logits: two all-reduces of per-token fp32 values inside"
         line = f"{', '.join(outs)} = {call}"

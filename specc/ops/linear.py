@@ -122,5 +122,5 @@ class BiasAdd(OpKind):
     def call(self, node, args, ctx):
         bias = f"self.{node.attrs['owner_attr']}.bias"
         if node.in_layouts and node.in_layouts[0] == "P":
-            return f"{args[0]} + {bias} * float(self.tp.rank == 0)  # on one rank: the sum adds it once"
+            return f"{args[0]} + {bias} * float(self.tp.rank == 0)"
         return f"{args[0]} + {bias}"

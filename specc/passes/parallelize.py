@@ -26,11 +26,16 @@ def parallelize(g: Graph, settings) -> None:
     for op_id in list(g.order):
         if op_id in g.ops:
             _type_op(g, g.ops[op_id], ctx, converted)
-    for vid in g.outputs:
-        if g.values[vid].layout not in (I,):
-            raise SpecError(g.ops[g.values[vid].producer].loc,
-                            f"model output '{g.values[vid].name}' has layout {g.values[vid].layout}, not I",
-                            "end the model with a replicated value such as the loss")
+    for vid in list(g.outputs):  # the model returns complete, replicated values
+        value = g.values[vid]
+        if value.layout == I:
+            continue
+        if conversion_path(value.layout, I) is None:
+            raise SpecError(g.ops[value.producer].loc, f"model output '{value.name}' has layout {value.layout}, "
+                            "which cannot be made replicated", "end the model with a value such as the loss")
+        done = _insert_path(g, value, I, "", before=None, ctx=ctx, converted=converted)
+        g.outputs = [done if v == vid else v for v in g.outputs]
+        g.rebind(vid, done, "")
 
 
 def _type_op(g: Graph, op: Op, ctx: Ctx, converted: dict) -> None:
@@ -94,7 +99,8 @@ def _partial_capable(g: Graph, ctx: Ctx) -> set:
             capable.update(v for v, lay in zip(op.outputs, rule.fixed_outputs) if lay == P)
         elif rule.partial_ok and len(op.inputs) == 1 and op.inputs[0] in capable:
             capable.update(op.outputs)
-    return capable
+    # a value read twice is reduced once where it is made (_convert_shared_outputs): not partial then
+    return {v for v in capable if len(g.consumers(v)) == 1}
 
 
 def _convert_shared_outputs(g: Graph, op: Op, ctx: Ctx, converted: dict) -> None:
