@@ -70,7 +70,8 @@ def test_generated_module_imports_without_specc():
 def test_compile_writes_all_files(tmp_path, capsys):
     assert main(["compile", os.path.join(SPECS, "gpt-tiny.yaml"), "--tp", "2", "--sp", "-o", str(tmp_path)]) == 0
     folder = tmp_path / "gpt_tiny_tp2_sp"
-    assert sorted(os.listdir(folder)) == ["__init__.py", "graph.dot", "model.py", "plan.json", "plan.txt"]
+    assert sorted(os.listdir(folder)) == [".specc-output", "__init__.py", "graph.dot", "model.py", "plan.json",
+                                          "plan.txt"]
     assert 'COMPILE_COMMAND = "specc compile' in (folder / "model.py").read_text()
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # no temporary leftovers
 
