@@ -82,8 +82,11 @@ def prepare(files: list, tokenizer, output: str, token_dtype: str = "auto", json
     _check_output(output)
     dtype = DTYPES[token_dtype]
     parent = os.path.dirname(os.path.abspath(output))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output))}.tmp-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output))}.tmp-", dir=parent)
+    except OSError as e:
+        raise DataError(f"--output {output}: cannot write there ({e.strerror or e})") from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the dataset is not
@@ -112,9 +115,13 @@ def prepare(files: list, tokenizer, output: str, token_dtype: str = "auto", json
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
             f.write("\n")
-        if os.path.isdir(output):
-            shutil.rmtree(output)
-        os.replace(tmp, output)
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+            f.write(MARKER_TEXT)
+        _check_output(output)  # again: it may have changed while we tokenized
+        _swap(tmp, output)
+    except OSError as e:  # reading inputs is checked in _documents: this is the output's
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(f"--output {output}: cannot write it ({e.strerror or e})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -124,9 +131,60 @@ def prepare(files: list, tokenizer, output: str, token_dtype: str = "auto", json
     return meta
 
 
+# Every dataset folder prepare writes holds MARKER: prepare replaces only such folders (or an
+# empty one), and only while they hold nothing but what it writes; never a user's files.
+MARKER = ".specc-output"
+MARKER_TEXT = "written by `specc data prepare`; preparing into this folder again replaces it\n"
+OWN = frozenset((TOKENS, DOCUMENTS, META, MARKER))
+
+
 def _check_output(output: str) -> None:
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise DataError(f"--output {output}: exists and is not a directory")
-    if os.path.isdir(output) and os.listdir(output) and not os.path.isfile(os.path.join(output, META)):
-        raise DataError(f"--output {output}: a non-empty directory that is not a prepared dataset; "
-                        "refusing to replace it")
+    hint = "move it away or choose another --output"
+    if os.path.islink(output) or (os.path.exists(output) and not os.path.isdir(output)):
+        raise DataError(f"--output {output}: exists and is not a directory that specc data prepare wrote ({hint})")
+    if not os.path.isdir(output):
+        return
+    try:
+        entries = sorted(os.listdir(output))
+    except OSError as e:
+        raise DataError(f"--output {output}: cannot read it ({e.strerror or e})") from None
+    if not entries:
+        return
+    if MARKER in entries:
+        marked = _read(os.path.join(output, MARKER)) == MARKER_TEXT
+    else:  # prepared before datasets were marked: only its three files, and its metadata says so
+        try:
+            marked = set(entries) <= OWN and json.loads(_read(os.path.join(output, META)) or "").get("format") == FORMAT
+        except (ValueError, AttributeError):
+            marked = False
+    if not marked:
+        raise DataError(f"--output {output}: a non-empty directory that is not a prepared dataset; refusing to "
+                        f"replace it (specc data prepare did not write it: it has no {MARKER}; {hint})")
+    foreign = [e for e in entries if e not in OWN]
+    if foreign:
+        raise DataError(f"--output {output}: holds {foreign[0]}, which specc data prepare did not write; refusing "
+                        "to replace the directory (move it out first)")
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _swap(tmp: str, output: str) -> None:
+    """Rename the finished `tmp` to `output`; an old dataset there is renamed away first and
+    removed only once the new one is in place (put back if that fails)."""
+    if not os.path.lexists(output):
+        os.replace(tmp, output)
+        return
+    old = tmp + ".old"
+    os.rename(output, old)
+    try:
+        os.rename(tmp, output)
+    except BaseException:
+        os.rename(old, output)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
