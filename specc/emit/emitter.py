@@ -13,6 +13,7 @@ from .. import __version__
 from ..layouts import SH, SS, I, P, R
 from ..ops import OPS
 from ..ops.base import EmitCtx
+from .pytext import docstring_text, string_literal
 
 _SUFFIX = {I: "full", R: "rep", SS: "seq", SH: "shard", P: "partial"}
 _COLL = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
@@ -21,6 +22,9 @@ _COLL = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(os.path.join(os.path.dirname(__file__), "templates")),
                           trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
                           undefined=jinja2.StrictUndefined)
+# spec text reaches model.py only through these two: a docstring or a string literal it cannot end
+_ENV.filters["doc"] = docstring_text
+_ENV.filters["pystr"] = string_literal
 
 
 def emit_model(graph, command: str) -> str:
