@@ -15,7 +15,30 @@ from .model import Expr, Step
 
 # names the generated code uses itself; a spec variable may not shadow them
 RESERVED = frozenset({"self", "torch", "runtime", "mappings", "nn", "rng_tracker", "pg", "tp", "super", "range",
-                      "len", "tuple", "list", "dict", "int", "float", "print", "layer", "CONFIG", "SETTINGS"})
+                      "len", "tuple", "list", "dict", "int", "float", "print", "layer", "CONFIG", "SETTINGS",
+                      "ValueError"})
+# what the generated module defines at its top level: no spec name may replace (or shadow) it
+MODULE_GLOBALS = frozenset({"SPEC_NAME", "SPEC_SHA256", "SETTINGS", "COMPILE_COMMAND", "build_model"})
+# what every generated class has from torch.nn.Module (torch 2.x); a submodule is an attribute of
+# its class, so it may not replace one of these (names starting with '__' are refused for all)
+NN_MODULE_ATTRS = frozenset({
+    "T_destination", "_apply", "_backward_hooks", "_backward_pre_hooks", "_buffers",
+    "_call_impl", "_compiled_call_impl", "_forward_hooks", "_forward_hooks_always_called",
+    "_forward_hooks_with_kwargs", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_get_backward_hooks",
+    "_get_backward_pre_hooks", "_get_name", "_is_full_backward_hook", "_load_from_state_dict",
+    "_load_state_dict_post_hooks", "_load_state_dict_pre_hooks", "_maybe_warn_non_full_backward_hook", "_modules",
+    "_named_members", "_non_persistent_buffers_set", "_parameters", "_register_load_state_dict_pre_hook",
+    "_register_state_dict_hook", "_replicate_for_data_parallel", "_save_to_state_dict", "_slow_forward",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_version", "_wrapped_call_impl", "add_module", "apply", "bfloat16",
+    "buffers", "call_super_init", "children", "compile", "cpu", "cuda", "double", "dump_patches", "eval",
+    "extra_repr", "float", "forward", "get_buffer", "get_extra_state", "get_parameter", "get_submodule", "half",
+    "ipu", "load_state_dict", "modules", "mtia", "named_buffers", "named_children", "named_modules",
+    "named_parameters", "parameters", "register_backward_hook", "register_buffer", "register_forward_hook",
+    "register_forward_pre_hook", "register_full_backward_hook", "register_full_backward_pre_hook",
+    "register_load_state_dict_post_hook", "register_load_state_dict_pre_hook", "register_module",
+    "register_parameter", "register_state_dict_post_hook", "register_state_dict_pre_hook", "requires_grad_",
+    "set_extra_state", "set_submodule", "share_memory", "state_dict", "to", "to_empty", "train", "training", "type",
+    "xpu", "zero_grad"})
 STEP_HINT = "write 'y = f(x)', 'y = a + b' or 'return y'"
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -28,6 +51,14 @@ def check_identifier(name, loc: Loc, what: str) -> None:
         raise SpecError(loc, f"{what} '{name}' is a Python keyword", f"rename it, e.g. '{name}_'")
     if name in RESERVED:
         raise SpecError(loc, f"{what} '{name}' is reserved in generated code", f"rename it, e.g. '{name}_'")
+    why = ("Python gives names that start with '__' a special meaning"
+           if name.startswith("__") else "the generated module defines it" if name in MODULE_GLOBALS
+           else "every torch.nn.Module has it" if what == "submodule name" and name in NN_MODULE_ATTRS else "")
+    if why:
+        plain = name.strip("_")
+        other = f"{plain}_" if plain and not plain[0].isdigit() else f"x{name}"
+        other = other if other != name else f"{plain}_1"
+        raise SpecError(loc, f"{what} '{name}' is reserved in generated code: {why}", f"rename it, e.g. '{other}'")
 
 
 def _show(name) -> str:

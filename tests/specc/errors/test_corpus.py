@@ -20,7 +20,7 @@ from specc.cli import main
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
-CASES = sorted(p.stem for p in HERE.glob("[0-9][0-9]_*.yaml"))
+CASES = sorted(p.stem for p in HERE.glob("[0-9][0-9]*_*.yaml"))  # NN_name or NNN_name
 BOMBS = ["billion_laughs", "string_alias_bomb", "deep_nesting_flow", "deep_nesting_block"]
 MAX_SECONDS = 2.0
 MAX_MEMORY = 512 << 20  # address space of a validating process in the bounded-memory checks
