@@ -79,7 +79,8 @@ def compile_args(args):
 
 def command_line(args) -> str:
     """The compile command that reproduces a result, for headers."""
-    parts = ["specc compile", os.path.relpath(args.spec) if not os.path.isabs(args.spec) else args.spec]
+    spec = os.path.relpath(args.spec) if not os.path.isabs(args.spec) else args.spec
+    parts = ["specc compile", shlex.quote(spec)]  # `specc check` splits the command with shlex
     if args.tp != 1:
         parts.append(f"--tp {args.tp}")
     if args.sp and args.tp > 1:
