@@ -283,10 +283,10 @@ def run(cfg: TrainConfig, stream=None) -> int:
         setup = setup_model_and_optimizer(cfg, pg, device)
         seq = setup.spec.config["seq_length"]
         datasets = build_datasets(cfg.data.data_path, seq, cfg.seed, split_weights(cfg.data.split))
+        append = bool(load and not weights_only) or restart > 0
         if rank == 0:  # a resumed run (or a restarted one) appends to its metrics; a new one starts afresh
             reporter = Reporter(cfg.logging.run_dir, cfg.train_iters, cfg.logging.log_interval,
-                                progress=cfg.logging.progress, stream=stream,
-                                append=bool(load and not weights_only) or restart > 0)
+                                progress=cfg.logging.progress, stream=stream, append=append)
         reporter.start(cfg.to_dict(), setup.spec.config)
         _report_setup(reporter, cfg, setup, pg, datasets)
         if restart > 0:
@@ -314,8 +314,11 @@ def run(cfg: TrainConfig, stream=None) -> int:
             state.consumed_samples = int(out["data_state"]["consumed_samples"])
             reporter.info(f"loaded checkpoint {out['path']} at iteration {state.iteration}"
                           + (f" (saved at {out['saved_layout']}, resharded)" if out["resharded"] else ""))
+        if append:  # the iterations after the one resumed from are recorded again: drop their old lines
+            reporter.resume(state.iteration)
 
         def save(st):
+            reporter.sync()  # the metrics up to this checkpoint survive whatever happens after it
             path = save_checkpoint(cfg.checkpoint.save, st.iteration, setup.model, pg,
                                    optimizer_state=adam_state(setup.optimizer, setup.model),
                                    scheduler_state={"iteration": st.iteration},

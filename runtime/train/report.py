@@ -41,6 +41,8 @@ class NullReporter:
     def info(self, *a, **k): pass
     def train(self, *a, **k): pass
     def evaluation(self, *a, **k): pass
+    def resume(self, *a, **k): pass
+    def sync(self): pass
     def close(self): pass
 
 
@@ -83,7 +85,7 @@ class Reporter:
                   "loss": loss, "grad_norm": grad_norm, "step_time_s": step_time,
                   "tokens_per_s": tokens / step_time if step_time > 0 else None, "memory_mb": memory_mb,
                   "skipped": skipped, "time": time.time()}
-        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.write(metrics_line(record))
         self._tb.scalars(iteration, {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
                                      "throughput/tokens-per-second": record["tokens_per_s"],
                                      "step-time": step_time, "memory/max-mb": memory_mb})
@@ -112,14 +114,48 @@ class Reporter:
 
     def evaluation(self, *, iteration: int, loss: float, split: str = "validation") -> None:
         ppl = math.exp(min(loss, 20.0))
-        self._metrics.write(json.dumps({"kind": "eval", "split": split, "iteration": iteration, "loss": loss,
-                                        "ppl": ppl, "time": time.time()}) + "\n")
+        self._metrics.write(metrics_line({"kind": "eval", "split": split, "iteration": iteration, "loss": loss,
+                                          "ppl": ppl, "time": time.time()}))
         self._metrics.flush()
         self._tb.scalars(iteration, {f"{split} loss": loss, f"{split} ppl": ppl})
         self._tb.flush()
         line = f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
         bar = "-" * len(line)
         self.info(f"{bar}\n{line}\n{bar}")
+
+    # -- durability ---------------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Put every metric recorded so far on disk (flush and fsync). Called before each
+        checkpoint is saved: whatever a later crash loses is after the checkpoint, and a resumed
+        run computes it again."""
+        self._metrics.flush()
+        os.fsync(self._metrics.fileno())
+        self._tb.flush()
+
+    def resume(self, iteration: int) -> None:
+        """A run that resumes after `iteration` (a checkpoint's; 0 when it starts over): drop the
+        metrics recorded after it, which the run records again, and any line a killed run left
+        half-written, so that every iteration appears exactly once."""
+        path = os.path.join(self.run_dir, METRICS)
+        self._metrics.close()
+        kept = []
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                it = record.get("iteration") if isinstance(record, dict) else None
+                if isinstance(it, int) and it <= iteration:
+                    kept.append(line.rstrip("\n") + "\n")
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._metrics = open(path, "a", encoding="utf-8")
 
     # -- progress bar --------------------------------------------------------------------------------
 
@@ -144,8 +180,16 @@ class Reporter:
 
     def close(self) -> None:
         self._clear_bar()
+        self.sync()
         self._metrics.close()
         self._tb.close()
+
+
+def metrics_line(record: dict) -> str:
+    """One metrics.jsonl line, strict JSON: a NaN or infinite value (a diverged loss, an
+    overflowing gradient norm) is written as null."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
 
 
 def _clock(seconds: float) -> str:

@@ -23,6 +23,9 @@ def read_metrics(run_dir: str):
                 raise ValueError(f"{path}:{number}: not a JSON line") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number}: not a JSON object")
+            for key in ("loss", "ppl"):  # a NaN or infinite value is written as null
+                if key in record and record[key] is None:
+                    record[key] = float("nan")
             (train if record.get("kind") == "train" else evals if record.get("kind") == "eval" else []).append(record)
     if not train:
         raise ValueError(f"{path}: no training iterations recorded yet")

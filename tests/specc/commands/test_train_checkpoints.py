@@ -77,10 +77,24 @@ def test_max_restarts_resumes_a_killed_rank_from_the_last_checkpoint(specc, corp
     assert f"elastic restart 1: resuming from {tmp_path / 'b'}" in out
     assert f"loaded checkpoint {tmp_path / 'b' / 'step_0000002'} at iteration 2" in out
     killed = [(r["iteration"], r["loss"]) for r in _train_records(tmp_path / "b")]
-    # iterations 1-3 of the first attempt, then 3-6 again from the checkpoint of iteration 2
-    assert [i for i, _ in killed] == [1, 2, 3, 3, 4, 5, 6]
-    assert killed[:3] == straight[:3] and killed[3:] == straight[2:]  # bit-identical, dropout included
+    # iterations 1-2 of the first attempt, then 3-6 from the checkpoint of iteration 2: each once
+    # (the first attempt's iteration 3 was dropped on resuming), bit-identical, dropout included
+    assert killed == straight
     assert latest_step(str(tmp_path / "b")) == 6 and complete_steps(str(tmp_path / "b")) == [4, 6]
+
+
+def test_a_killed_rank_0_loses_no_metrics_before_its_last_checkpoint(specc, corpus, tmp_path, monkeypatch):
+    """Rank 0 writes metrics.jsonl and only flushes every --log-interval: killed with kill -9,
+    what it buffered is gone. Every checkpoint flushes it first, so the restarted run (which
+    drops the lines after the checkpoint) ends up with every iteration exactly once."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("SPECC_TEST_KILL_AT_ITER", "4")  # with one rank, rank 0 SIGKILLs itself, once
+    code, out, err = specc("train", GPT_TINY, "--nproc-per-node", "1", "--max-restarts", "1", "--train-iters", "5",
+                           "--save-interval", "2", "--data-path", corpus, "--save", tmp_path / "ckpt",
+                           "--run-dir", tmp_path / "run", *SMALL, "--log-interval", "100")
+    assert code == 0, out + err[-3000:]
+    assert "exitcode: -9" in err and f"loaded checkpoint {tmp_path / 'ckpt' / 'step_0000002'} at iteration 2" in out
+    assert [r["iteration"] for r in _train_records(tmp_path / "run")] == [1, 2, 3, 4, 5]
 
 
 def _first_batch_hf_loss(hf_model, corpus: str, micro_batch_size: int, micro_batches: int) -> float:
