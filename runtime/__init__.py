@@ -4,7 +4,7 @@ from .activations import gelu, split, swiglu
 from .api import build_model
 from .comm import CommCounter, CommRecord, all_gather_into_tensor, all_reduce, reduce_scatter_tensor
 from .cross_entropy import vocab_parallel_cross_entropy
-from .grads import finalize_model_grads, is_tp_partial_grad, mark_tp_partial_grad
+from .grads import finalize_model_grads, is_tp_partial_grad, mark_partial_grad, mark_tp_partial_grad, partial_grad_axes
 from .init import ParamInit, full_parameter, gather_full, init_parameters, tag_parameter
 from .layers import (
     ColumnParallelLinear,
@@ -70,6 +70,8 @@ __all__ = [
     "gather_full",
     "RNGTracker",
     "mark_tp_partial_grad",
+    "mark_partial_grad",
+    "partial_grad_axes",
     "is_tp_partial_grad",
     "finalize_model_grads",
 ]

@@ -9,6 +9,7 @@ import subprocess
 
 from .errors import Loc, SpecError
 from .files import atomic_write_text
+from .ops import OPS
 
 
 def _q(text: str) -> str:
@@ -17,7 +18,7 @@ def _q(text: str) -> str:
 
 
 def to_dot(graph) -> str:
-    tp = graph.spec.settings.tp
+    active = bool(graph.mesh.active)
     lines = [f"digraph {_q(graph.spec.name)} {{", "  rankdir=TB;", '  node [fontname="Helvetica", fontsize=10];',
              '  edge [fontname="Helvetica", fontsize=8];']
     for vid in graph.inputs:
@@ -32,9 +33,10 @@ def to_dot(graph) -> str:
             lines.append(f"    label={_q(scope + ' (' + graph.scopes.get(scope, '') + ')')}; style=rounded; color=gray;")
             indent = "    "
         for op in ops:
-            if op.kind == "boundary":
-                b = op.boundary
-                label = f"{b.src} -> {b.dst}\n{b.function}\nfwd {b.forward or 'identity'} / bwd {b.backward or 'identity'}"
+            kind = OPS[op.kind]
+            if kind.converts():
+                b = kind.boundary(op)
+                label = f"{b.label}\n{b.function}\nfwd {b.forward or 'identity'} / bwd {b.backward or 'identity'}"
                 lines.append(f"{indent}{_q(op.id)} [shape=diamond, style=filled, fillcolor=orange, label={_q(label)}];")
             else:
                 extra = "".join(f"\n+ {a.boundary.function}" for a in op.absorbed)
@@ -47,7 +49,7 @@ def to_dot(graph) -> str:
         for vid in op.inputs:
             value = graph.values[vid]
             src = value.producer if value.producer else "input:" + vid
-            label = value.layout if tp > 1 else ""
+            label = str(value.layout) if active else ""
             lines.append(f"  {_q(src)} -> {_q(op.id)} [label={_q(label)}];")
     lines.append("}")
     return "\n".join(lines) + "\n"
@@ -68,6 +70,8 @@ def write_outputs(dot: str, path: str) -> list:
 
 
 def _atomic_write(path: str, text: str) -> None:
+    if os.path.isdir(path):
+        raise SpecError(Loc(path), "is a folder, not a file", "give the file to write, e.g. -o graph.dot")
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise SpecError(Loc(path), "output folder does not exist")
     atomic_write_text(path, text)

@@ -1,12 +1,19 @@
-"""Layout types of values on a tensor-parallel group (DESIGN.md, "Layouts and boundaries").
+"""Layouts of values on the device mesh: one placement per named mesh axis (docs/architecture.md).
 
-A layout fixes both where a value's forward data lives and what its gradient looks like:
+The mesh has named axes, innermost first: `tp` (tensor parallel) and `cp` (context parallel).
+On each axis a value has one placement, which fixes both where its forward data lives and what
+its gradient looks like (DTensor's one placement per mesh dimension, plus the gradient):
 
     I     replicated, gradient complete on every rank
     R     replicated, gradient partial (each rank holds a piece of the sum)
-    S(s)  rank r holds rows r*s/t.. of dim 0 (the sequence), gradient likewise
-    S(h)  rank r holds a slice of the last dim (features or heads), gradient likewise
+    S(s)  sharded over the sequence dim; on `cp` in load-balanced chunks (rank r holds chunks r
+          and 2N-1-r of 2N), gradient likewise
+    S(h)  sharded over the last dim (features or heads), gradient likewise
     P     full shape, the true value is the sum over ranks; gradient replicated
+
+On an axis of size 1 every value is I. A Layout holds the placement on every axis of its mesh;
+it prints only the axes of size > 1 (one axis: the bare placement, as in plans of a single
+axis; replicated everywhere: I).
 """
 
 from __future__ import annotations
@@ -16,59 +23,137 @@ from dataclasses import dataclass
 I, R, SS, SH, P = "I", "R", "S(s)", "S(h)", "P"  # noqa: E741 (the design's names)
 ALL = (I, R, SS, SH, P)
 
+AXES = ("tp", "cp")  # mesh axes, innermost first (runtime.ProcessGroups' rank order)
+AXIS_NAMES = {"tp": "tensor-model-parallel", "cp": "context-parallel"}
 
-def local_shape(shape: tuple, layout: str, tp: int) -> tuple:
-    """The shape one rank holds of a value of full `shape` in `layout`."""
-    if tp == 1 or not shape:
-        return tuple(shape)
-    if layout == SS:
-        return (shape[0] // tp,) + tuple(shape[1:])
-    if layout == SH:
-        return tuple(shape[:-1]) + (shape[-1] // tp,)
-    return tuple(shape)
+
+@dataclass(frozen=True)
+class Mesh:
+    """The parallel axes a graph is typed on: (name, size) in AXES order."""
+
+    sizes: tuple  # ((axis, size), ...)
+
+    @classmethod
+    def of(cls, **sizes) -> Mesh:
+        unknown = sorted(set(sizes) - set(AXES))
+        if unknown:
+            raise ValueError(f"unknown mesh axes {unknown}")
+        return cls(tuple((a, int(sizes.get(a, 1))) for a in AXES))
+
+    def size(self, axis: str) -> int:
+        return dict(self.sizes)[axis]
+
+    @property
+    def axes(self) -> tuple:
+        return tuple(a for a, _ in self.sizes)
+
+    @property
+    def active(self) -> tuple:
+        """Axes of size > 1: the only ones where a value can be anything but I."""
+        return tuple(a for a, n in self.sizes if n > 1)
+
+    def replicated(self) -> Layout:
+        return Layout(self, tuple(I for _ in self.sizes))
+
+
+@dataclass(frozen=True)
+class Layout:
+    mesh: Mesh
+    placements: tuple  # one per mesh axis, in mesh order
+
+    def __getitem__(self, axis: str) -> str:
+        return self.placements[self.mesh.axes.index(axis)]
+
+    def with_(self, axis: str, placement: str) -> Layout:
+        i = self.mesh.axes.index(axis)
+        return Layout(self.mesh, self.placements[:i] + (placement,) + self.placements[i + 1:])
+
+    def __str__(self) -> str:
+        active = self.mesh.active
+        if len(active) <= 1:
+            return self[active[0]] if active else I
+        if all(self[a] == I for a in active):
+            return I
+        return "/".join(f"{a}:{self[a]}" for a in active)
+
+
+def local_shape(shape: tuple, layout: Layout) -> tuple:
+    """The shape one rank holds of a value of full `shape`. S(s) shards dim 0 (activations are
+    sequence-first); use local_shape_dims for values whose sequence is another dim."""
+    return local_shape_dims(shape, layout, 0)
+
+
+def local_shape_dims(shape: tuple, layout: Layout, seq_dim: int | None) -> tuple:
+    out = list(shape)
+    if not out:
+        return tuple(out)
+    for axis in layout.mesh.active:
+        n = layout.mesh.size(axis)
+        placement = layout[axis]
+        if placement == SS and seq_dim is not None:
+            out[seq_dim] //= n
+        elif placement == SH:
+            out[-1] //= n
+    return tuple(out)
 
 
 @dataclass(frozen=True)
 class Boundary:
-    """One conversion between layouts, with Megatron's name and its collectives."""
+    """One conversion between placements on one mesh axis, with Megatron's name and its
+    collectives. `function` is the runtime.mappings function the generated code calls."""
 
+    axis: str
     src: str
     dst: str
-    function: str  # runtime.mappings function name
+    function: str
     forward: str  # collective in forward ("" for none, "split" is local)
     backward: str
     kwargs: str = ""  # extra keyword arguments in the generated call
+    seq_dim_kwarg: bool = False  # the call names the value's sequence dim (`dim=`)
 
     @property
     def label(self) -> str:
-        return f"{self.src} -> {self.dst}"
+        return f"{self.src} -> {self.dst}" if self.axis == "tp" else f"{self.axis}:{self.src} -> {self.axis}:{self.dst}"
 
 
-# The design's boundary table. Missing pairs go through I (two boundaries) or cannot be built.
-BOUNDARIES = {
-    (I, R): Boundary(I, R, "copy_to_tensor_model_parallel_region", "", "all_reduce"),
-    (P, I): Boundary(P, I, "reduce_from_tensor_model_parallel_region", "all_reduce", ""),
-    (SS, R): Boundary(SS, R, "gather_from_sequence_parallel_region", "all_gather", "reduce_scatter"),
-    (SS, I): Boundary(SS, I, "gather_from_sequence_parallel_region", "all_gather", "split",
-                      "tensor_parallel_output_grad=False"),
-    (P, SS): Boundary(P, SS, "reduce_scatter_to_sequence_parallel_region", "reduce_scatter", "all_gather"),
-    (I, SS): Boundary(I, SS, "scatter_to_sequence_parallel_region", "split", "all_gather"),
-    (SH, I): Boundary(SH, I, "gather_from_tensor_model_parallel_region", "all_gather", "split"),
-    (I, SH): Boundary(I, SH, "scatter_to_tensor_model_parallel_region", "split", "all_gather"),
-}
-
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+def _tp(src, dst, function, forward, backward, kwargs=""):
+    return ("tp", src, dst), Boundary("tp", src, dst, function, forward, backward, kwargs)
 
 
-def conversion_path(src: str, dst: str) -> list[Boundary] | None:
-    """The boundaries that turn src into dst: direct, or through I; None if no sound path exists.
+def _cp(src, dst, function, forward, backward, seq=False):
+    return ("cp", src, dst), Boundary("cp", src, dst, function, forward, backward, "", seq)
+
+
+# The boundary table, keyed by (axis, from, to). Missing pairs go through I (two boundaries) or
+# cannot be built. The cp conversions of the sequence know the load-balanced chunk order.
+BOUNDARIES = dict([
+    _tp(I, R, "copy_to_tensor_model_parallel_region", "", "all_reduce"),
+    _tp(P, I, "reduce_from_tensor_model_parallel_region", "all_reduce", ""),
+    _tp(SS, R, "gather_from_sequence_parallel_region", "all_gather", "reduce_scatter"),
+    _tp(SS, I, "gather_from_sequence_parallel_region", "all_gather", "split", "tensor_parallel_output_grad=False"),
+    _tp(P, SS, "reduce_scatter_to_sequence_parallel_region", "reduce_scatter", "all_gather"),
+    _tp(I, SS, "scatter_to_sequence_parallel_region", "split", "all_gather"),
+    _tp(SH, I, "gather_from_tensor_model_parallel_region", "all_gather", "split"),
+    _tp(I, SH, "scatter_to_tensor_model_parallel_region", "split", "all_gather"),
+    _cp(I, SS, "scatter_to_context_parallel_region", "split", "all_gather", seq=True),
+    _cp(SS, I, "gather_from_context_parallel_region", "all_gather", "split", seq=True),
+    _cp(P, I, "reduce_from_context_parallel_region", "all_reduce", ""),
+    _cp(I, R, "copy_to_context_parallel_region", "", "all_reduce"),
+])
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")
+
+
+def conversion_path(axis: str, src: str, dst: str) -> list[Boundary] | None:
+    """The boundaries that turn src into dst on `axis`: direct, or through I; None if no sound
+    path exists.
 
     R's gradient is partial and nothing we can compute locally turns a complete gradient back into
     a partial one, so R converts to nothing; and nothing converts into P."""
     if src == dst:
         return []
-    if (src, dst) in BOUNDARIES:
-        return [BOUNDARIES[(src, dst)]]
-    if (src, I) in BOUNDARIES and (I, dst) in BOUNDARIES:
-        return [BOUNDARIES[(src, I)], BOUNDARIES[(I, dst)]]
+    if (axis, src, dst) in BOUNDARIES:
+        return [BOUNDARIES[(axis, src, dst)]]
+    if (axis, src, I) in BOUNDARIES and (axis, I, dst) in BOUNDARIES:
+        return [BOUNDARIES[(axis, src, I)], BOUNDARIES[(axis, I, dst)]]
     return None

@@ -10,16 +10,22 @@ from .passes.parallelize import parallelize
 from .passes.resolve import available, resolve
 
 
-def compile_graph(spec, have=available):
+def compile_graph(spec, have=available, lint: bool = False):
+    """Build, resolve, type and optimize; with `lint`, check the graph's invariants after every
+    pass (the tests do)."""
     graph = build_graph(spec)
-    resolve(graph, spec.settings, have)
-    parallelize(graph, spec.settings)
-    cancel_inverses(graph)
+    passes = [lambda g: resolve(g, spec.settings, have), lambda g: parallelize(g, spec.settings), cancel_inverses]
     if spec.settings.fuse:
-        fuse_boundaries(graph)
+        passes.append(fuse_boundaries)
+    if lint:
+        graph.lint()
+    for run in passes:
+        run(graph)
+        if lint:
+            graph.lint()
     return graph
 
 
-def load_and_compile(path: str, settings: Settings = Settings(), overrides=(), have=available):
+def load_and_compile(path: str, settings: Settings = Settings(), overrides=(), have=available, lint: bool = False):
     spec = load_spec(path, settings, overrides)
-    return spec, compile_graph(spec, have)
+    return spec, compile_graph(spec, have, lint)

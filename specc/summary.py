@@ -11,7 +11,7 @@ def parameter_count(graph) -> int:
     total, seen = 0, set()
     for op in graph.iter_ops():
         base = op.id.split("#")[0]
-        if op.kind == "boundary" or base in seen:
+        if OPS[op.kind].converts() or base in seen:
             continue
         seen.add(base)
         total += sum(numel(w.shape) for w in OPS[op.kind].weights(op.attrs))

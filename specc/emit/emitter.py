@@ -5,6 +5,7 @@ every boundary is a visible call with a comment naming its collective."""
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 
 import jinja2
@@ -38,9 +39,7 @@ def emit_model(graph, command: str) -> str:
         spec_name=spec.name, description=spec.description or spec.name, version=__version__,
         spec_file=os.path.basename(spec.path), spec_hash=spec.source_hash, command=command,
         settings_line=settings.describe(), classes=classes, root_class=root_class,
-        settings_dict=repr({"tp": settings.tp, "sp": settings.sp, "backend": settings.backend,
-                            "micro_batch_size": settings.micro_batch_size, "dtype": settings.dtype,
-                            "fuse": settings.fuse}),
+        settings_dict=repr(settings.as_dict()),
     )
 
 
@@ -53,6 +52,8 @@ class _Emitter:
     def __init__(self, graph):
         self.g = graph
         self.tp = graph.spec.settings.tp
+        self.cp = graph.spec.settings.cp
+        self.mesh = graph.mesh
         self.classes: dict = {}  # signature -> _Class
         self.order: list = []  # signatures, children before parents
         self.names: dict = {}  # module name -> count of classes made for it
@@ -89,8 +90,11 @@ class _Emitter:
         key = (module, tuple(init), tuple(body), tuple(params))
         if key not in self.classes:
             n = self.names.get(module, 0) + 1
-            self.names[module] = n
             name = module if n == 1 else f"{module}_{n}"
+            while n > 1 and (name in self.g.spec.modules or any(c.name == name for c in self.classes.values())):
+                n += 1  # a variant's class must not take the name of a spec module (or another variant)
+                name = f"{module}_{n}"
+            self.names[module] = n
             mdef = self.g.spec.modules[module]
             doc = mdef.description or f"The spec module {module}."
             if n > 1:
@@ -108,30 +112,37 @@ class _Emitter:
         names = _Names(mdef.inputs, args)
         items = self.items[scope]
         last_use = self._last_uses(items, outs)
-        init, body, built, uses_tp = [], [], set(), False
+        init, body, built = [], [], set()
         partial = []
         for index, (what, x) in enumerate(items):
             if what == "call":
                 body += self._call_lines(x, names, index, last_use, init)
                 continue
             op = x
-            line, comment, tp = self._op_line(op, names, index, last_use)
-            uses_tp |= tp
+            kind = OPS[op.kind]
+            line, comment = self._op_line(op, names, index, last_use)
             if comment:
                 body.append(f"# {comment}")
             body.append(line)
-            if op.kind != "boundary":
+            if not kind.converts():
                 ctor = self._constructor(op)
                 if ctor and op.attr_name not in built:
                     built.add(op.attr_name)
                     init.append(f"self.{op.attr_name} = {ctor}")
-                    uses_tp |= "self.tp" in ctor
+            owner = kind.owner(op)
             for w in op.partial_grad:
-                owner = op.attrs["owner_attr"] if op.kind == "bias_add" else op.attr_name
-                partial.append(f"runtime.mark_tp_partial_grad(self.{owner}.{w})  # used on {op.in_layouts[0]} values")
+                axes = [a for a in self.mesh.axes if w in op.partial_grads.get(a, ())]
+                where = f"# used on {op.in_layouts[0]} values"
+                if axes == ["tp"]:
+                    partial.append(f"runtime.mark_tp_partial_grad(self.{owner}.{w})  {where}")
+                else:
+                    named = ", ".join(f'"{a}"' for a in axes)
+                    partial.append(f"runtime.mark_partial_grad(self.{owner}.{w}, {named})  {where}")
         body.append("return " + ", ".join(names.get(v) for v in outs))
-        if uses_tp or any("self.tp" in ln for ln in body):
-            init.insert(0, "self.tp = pg.tp")
+        text = "\n".join(init + body)
+        for axis in reversed(self.mesh.axes):  # self.tp first
+            if re.search(rf"\bself\.{axis}\b", text):
+                init.insert(0, f"self.{axis} = pg.{axis}")
         init = _order_ties(init) + sorted(set(partial), key=partial.index)
         return init, body, list(mdef.inputs)
 
@@ -166,40 +177,27 @@ class _Emitter:
 
     def _op_line(self, op, names, index: int, last_use: dict):
         g = self.g
-        args = [names.get(v) for v in op.inputs]
-        layouts = f"{','.join(op.in_layouts)} -> {','.join(op.out_layouts)}" if self.tp > 1 else ""
-        if op.kind == "boundary":
-            b = op.boundary
-            suffix = _SUFFIX[b.dst]
-            out = names.bind(op.outputs[0], args[0], index, last_use, suffix)
-            extra = f", {b.kwargs}" if b.kwargs else ""
-            comment = f"{b.src} -> {b.dst}: forward {_COLL[b.forward]}, backward {_COLL[b.backward]}"
-            return f"{out} = mappings.{b.function}({args[0]}, self.tp{extra})", comment, True
         kind = OPS[op.kind]
-        call = kind.call(op, args, EmitCtx(tp=self.tp))
+        args = [names.get(v) for v in op.inputs]
+        layouts = ""
+        if self.mesh.active:
+            layouts = f"{','.join(map(str, op.in_layouts))} -> {','.join(map(str, op.out_layouts))}"
+        call = kind.call(op, args, self._ctx(op))
+        if kind.converts():
+            out = names.bind(op.outputs[0], args[0], index, last_use, kind.name_suffix(op))
+            return f"{out} = {call}", kind.describe(op)
         outs = [names.bind(v, g.values[v].name, index, last_use) for v in op.outputs]
-        comment = ""
-        for a in op.absorbed:
-            if a.mode == "gather":
-                comment = (f"{op.attr_name} all-gathers its S(s) input over the sequence inside the GEMM "
-                           "(backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)")
-            else:
-                comment = (f"{op.attr_name} takes an I input as R (backward: all-reduce of the input gradient, "
-                           "overlapped with the weight-gradient GEMM)")
-        if op.kind == "bias_add" and op.in_layouts and op.in_layouts[0] == P:
-            comment = "the bias joins the partial sums on one rank only, so the sum over ranks adds it once"
-        if op.kind == "cross_entropy" and op.in_layouts and op.in_layouts[0] == SH:
-            comment = "vocab-parallel cross-entropy on sharded logits: two all-reduces of per-token fp32 values inside"
         line = f"{', '.join(outs)} = {call}"
         if layouts:
             line += f"  # {layouts}"
-        return line, comment, "self.tp" in call
+        return line, kind.note(op)
+
+    def _ctx(self, op) -> EmitCtx:
+        tied = f"self.{self.g.ops[op.tied_to].attr_name}.weight" if op.tied_to else ""
+        return EmitCtx(tp=self.tp, cp=self.cp, tied_expr=tied)
 
     def _constructor(self, op) -> str | None:
-        if op.tied_to:
-            target = self.g.ops[op.tied_to]
-            op.tied_expr = f"self.{target.attr_name}.weight"
-        return OPS[op.kind].constructor(op, EmitCtx(tp=self.tp))
+        return OPS[op.kind].constructor(op, self._ctx(op))
 
 
 class _Names:

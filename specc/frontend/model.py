@@ -17,10 +17,18 @@ class Settings:
     micro_batch_size: int = 1
     dtype: str = "bf16"  # activation / parameter dtype used for bytes and memory
     fuse: bool = True  # let implementations absorb adjacent boundaries
+    cp: int = 1  # context-parallel size: the sequence sharded over cp ranks outside attention
+    cp_comm_type: str = "auto"  # attention over CP: p2p (ring) | all_gather | auto (the cost model)
 
     def describe(self) -> str:
-        return (f"tp={self.tp} sp={'on' if self.sp else 'off'} backend={self.backend} "
+        cp = f" cp={self.cp} cp_comm_type={self.cp_comm_type}" if self.cp > 1 else ""
+        return (f"tp={self.tp}{cp} sp={'on' if self.sp else 'off'} backend={self.backend} "
                 f"micro_batch_size={self.micro_batch_size} dtype={self.dtype} fuse={'on' if self.fuse else 'off'}")
+
+    def as_dict(self) -> dict:
+        """The settings as plain data (a generated folder's SETTINGS), in a fixed key order."""
+        return {"tp": self.tp, "sp": self.sp, "backend": self.backend, "micro_batch_size": self.micro_batch_size,
+                "dtype": self.dtype, "fuse": self.fuse, "cp": self.cp, "cp_comm_type": self.cp_comm_type}
 
 
 @dataclass

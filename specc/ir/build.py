@@ -13,13 +13,16 @@ _INPUT_DTYPES = {"int64": "int64", "int32": "int32", "float32": "float32", "bflo
 def build_graph(spec) -> Graph:
     g = Graph(spec)
     s = spec.settings
-    g.ctx = Ctx(tp=s.tp, sp=s.sp, home="S(s)" if s.sp else "I")
+    g.ctx = Ctx(tp=s.tp, sp=s.sp, home="S(s)" if s.sp else "I", cp=s.cp)
     args = []
     for inp in spec.inputs:
-        args.append(g.add_value(Value(inp.name, inp.name, inp.shape, _INPUT_DTYPES[inp.dtype], None)).id)
+        # model inputs are batch-first, [b, s, ...] (token ids, labels): the sequence is dim 1
+        seq_dim = 1 if len(inp.shape) >= 2 else None
+        args.append(g.add_value(Value(inp.name, inp.name, inp.shape, _INPUT_DTYPES[inp.dtype], None,
+                                      seq_dim=seq_dim)).id)
     g.inputs = list(args)
     g.outputs = _instantiate(g, spec.root, "", args)
-    g.calls[""] = (list(g.inputs), list(g.outputs))
+    g.set_call("", g.inputs, g.outputs)
     _resolve_ties(g)
     return g
 
@@ -52,15 +55,15 @@ def _eval(g: Graph, m, scope: str, index: int, e, env: dict, targets: list) -> l
         g.call_names[sub_scope] = [t or f"{sub.name}_out" for t in targets]
         if sub.repeat is None:
             outs = _instantiate(g, sub.module, sub_scope, args)
-            g.calls[sub_scope] = (list(args), list(outs))
+            g.set_call(sub_scope, args, outs)
             return outs
         g.repeats[sub_scope] = sub.repeat
         first = list(args)
         for i in range(sub.repeat):
             outs = _instantiate(g, sub.module, f"{sub_scope}.{i}", args)
-            g.calls[f"{sub_scope}.{i}"] = (list(args), list(outs))
+            g.set_call(f"{sub_scope}.{i}", args, outs)
             args = outs
-        g.calls[sub_scope] = (first, list(args))
+        g.set_call(sub_scope, first, args)
         return args
     assert isinstance(sub, Leaf)
     return _leaf(g, m, scope, index, e, sub.op, sub.attrs, f"{prefix}{sub.name}", sub.name, args, targets, sub.impl,
@@ -81,26 +84,29 @@ def _leaf(g, m, scope, index, e, kind_name, attrs, base_id, attr_name, args, tar
     if len(names) != len(out_shapes):
         names = [f"{attr_name or kind_name}_out{i}" for i in range(len(out_shapes))]
     dtype = "float32" if kind_name == "cross_entropy" else "act"
+    seq_dims = kind.out_seq_dims(attrs, [g.values[a].seq_dim for a in args])
     outs = []
     for i, (name, shape) in enumerate(zip(names, out_shapes)):
         vid = f"{op_id}:{i}" if len(out_shapes) > 1 else op_id
-        outs.append(g.add_value(Value(vid, name, tuple(shape), dtype, op_id)).id)
+        seq_dim = seq_dims[i] if i < len(seq_dims) else 0
+        outs.append(g.add_value(Value(vid, name, tuple(shape), dtype, op_id, seq_dim=seq_dim)).id)
     op = Op(op_id, kind_name, dict(attrs), list(args), outs, scope, m.name, attr_name, index, e.loc, impl=impl,
             attr_locs=dict(locs or {}))
-    g.add_op(op)
-    if kind_name == "linear" and attrs.get("parallel") == "row" and attrs.get("bias"):
-        outs = _row_bias(g, op, m)
+    g.insert_op(op)
+    for follower, follower_attrs in kind.followers(attrs):
+        outs = _follower(g, op, m, follower, follower_attrs, outs)
     return outs
 
 
-def _row_bias(g: Graph, linear: Op, m) -> list:
-    """A row-parallel linear's bias is added after the reduction of its partial sums."""
-    src = g.values[linear.outputs[0]]
-    bias_id = f"{linear.id}.bias"
-    out = g.add_value(Value(bias_id, src.name, src.shape, "act", bias_id))
-    op = Op(bias_id, "bias_add", {"size": linear.attrs["out_features"], "owner_attr": linear.attr_name}, [src.id],
-            [out.id], linear.scope, m.name, None, linear.step, linear.loc, impl="auto")
-    g.add_op(op)
+def _follower(g: Graph, leader: Op, m, kind_name: str, attrs: dict, args: list) -> list:
+    """An internal op the leader's contract adds after it (a row-parallel linear's bias, added
+    after the reduction of its partial sums); it belongs to the leader's submodule."""
+    src = g.values[args[0]]
+    op_id = g.unique_id(f"{leader.id}.{attrs.get('name', 'bias')}")
+    out = g.add_value(Value(op_id, src.name, src.shape, src.dtype, op_id, seq_dim=src.seq_dim))
+    op = Op(op_id, kind_name, {**attrs, "owner_attr": leader.attr_name}, list(args), [out.id], leader.scope, m.name,
+            None, leader.step, leader.loc, impl="auto")
+    g.insert_op(op)
     return [out.id]
 
 
@@ -116,12 +122,12 @@ def _resolve_ties(g: Graph) -> None:
         if target is None:
             raise SpecError(loc, f"{op.id}: tie target '{tie}' is not an op in the same module",
                             "name a sibling submodule that has a 'weight', e.g. tie: embedding")
-        mine = (op.attrs["out_features"], op.attrs["in_features"])
+        mine, my_shard = OPS[op.kind].tie_contract(op.attrs)
         theirs = next((w for w in OPS[target.kind].weights(target.attrs) if w.name == "weight"), None)
         if theirs is None or tuple(theirs.shape) != mine:
             raise SpecError(loc, f"{op.id}: cannot tie to '{tie}': its weight is "
                             f"{list(theirs.shape) if theirs else 'missing'}, this one needs {list(mine)}")
-        if theirs.shard_dim != (0 if op.attrs["parallel"] == "column" else None if op.attrs["parallel"] == "none" else 1):
+        if theirs.shard_dim != my_shard:
             raise SpecError(loc, f"{op.id}: tied weights must be sharded the same way; '{tie}' shards dim {theirs.shard_dim}",
                             "a vocabulary-parallel embedding ties to a column-parallel output layer")
         op.tied_to = target.id

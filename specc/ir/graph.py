@@ -1,14 +1,20 @@
-"""Graph IR: ops (nodes) and values (edges), in execution order, on a networkx DiGraph."""
+"""Graph IR: ops (nodes) and values (edges) in execution order, with torch.fx's bookkeeping.
+
+The graph keeps the execution order itself (a doubly linked list of op ids, so inserting before
+or after an op is O(1)), the users of every value (use-def chains), and the module-call bindings
+the emitter needs. Passes change the graph only through these methods: `insert_op` (at the
+`inserting_before` point), `replace_input`, `replace_all_uses_with`, `erase_op`; `lint()` checks
+every invariant and runs after every pass in the tests."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-
-import networkx as nx
 
 from ..errors import Loc
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int64": 8, "int32": 4, "float32": 4}
+OUTPUT = "<output>"  # the pseudo-user of a value the model returns
 
 
 @dataclass
@@ -18,8 +24,9 @@ class Value:
     shape: tuple
     dtype: str  # "act" (the model's activation dtype), "int64", "float32", ...
     producer: str | None  # op id; None for model inputs
-    layout: str | None = None
+    layout: object = None  # layouts.Layout
     segments: tuple = ()  # last-dim segments (full sizes) of a fused weight's output
+    seq_dim: int | None = 0  # which dim is the sequence (0 for activations, 1 for [b, s] ids)
 
     def elt_bytes(self, act_dtype: str) -> int:
         return DTYPE_BYTES[act_dtype if self.dtype == "act" else self.dtype]
@@ -47,27 +54,30 @@ class Op:
     loc: Loc
     impl: str = ""
     impl_reason: str = ""
-    in_layouts: list = field(default_factory=list)
+    in_layouts: list = field(default_factory=list)  # layouts.Layout per input
     out_layouts: list = field(default_factory=list)
-    boundary: object = None  # layouts.Boundary, for kind "boundary"
     absorbed: list = field(default_factory=list)
     tied_to: str | None = None  # op id whose weight this op shares
-    tied_expr: str = ""
-    partial_grad: list = field(default_factory=list)  # weight names whose grads are TP-partial
-    local_sections: list = field(default_factory=list)
+    partial_grads: dict = field(default_factory=dict)  # mesh axis -> weight names whose grads are partial there
     attr_locs: dict = field(default_factory=dict)  # spec locations of attributes, for errors
 
     @property
     def local_name(self) -> str:
         return self.id[len(self.scope) + 1:] if self.scope else self.id
 
+    @property
+    def partial_grad(self) -> list:
+        """Weight names whose gradients are partial over any axis, in a stable order."""
+        names: list = []
+        for axis in sorted(self.partial_grads):
+            names += [n for n in self.partial_grads[axis] if n not in names]
+        return names
+
 
 class Graph:
     def __init__(self, spec):
         self.spec = spec
-        self.nx = nx.DiGraph()
         self.ops: dict[str, Op] = {}
-        self.order: list[str] = []
         self.values: dict[str, Value] = {}
         self.inputs: list[str] = []
         self.outputs: list[str] = []
@@ -75,6 +85,22 @@ class Graph:
         self.repeats: dict[str, int] = {}  # scope of a repeated submodule -> count
         self.calls: dict[str, tuple] = {}  # module instance scope -> (argument value ids, returned value ids)
         self.call_names: dict[str, list] = {}  # module instance scope -> the caller's names for its results
+        self._users: dict[str, dict] = {}  # value id -> {op id: None} (insertion-ordered set)
+        self._next: dict = {None: None}  # linked list of op ids; None is the sentinel
+        self._prev: dict = {None: None}
+        self._insert_point = None  # op id new ops go before; None: the end
+        self._id_counts: dict[str, int] = {}
+        self._calls_of: dict[str, set] = {}  # value id -> call scopes that bind it
+
+    # -- module calls ------------------------------------------------------------------------
+    def set_call(self, scope: str, args: list, outs: list) -> None:
+        self.calls[scope] = (list(args), list(outs))
+        for v in list(args) + list(outs):
+            self._calls_of.setdefault(v, set()).add(scope)
+
+    def calls_binding(self, value_id: str) -> list:
+        """The call scopes whose arguments or results include a value, sorted."""
+        return sorted(self._calls_of.get(value_id, ()))
 
     def caller_of(self, scope: str) -> str:
         """The scope whose forward makes the call of `scope` (a repeated group's instances are
@@ -84,63 +110,157 @@ class Graph:
             parent = parent.rsplit(".", 1)[0] if "." in parent else ""
         return parent
 
+    def is_instance(self, scope: str) -> bool:
+        """One instance of a repeated module (`layers.3`); its results are named at the group call."""
+        return "." in scope and scope.rsplit(".", 1)[0] in self.repeats
+
     def rebind(self, old: str, new: str, scope: str) -> None:
         """A value converted in `scope` replaces the original where it crosses module calls: as a
         return value of the calls that contain `scope`, as an argument of the others."""
-        for callee, (args, outs) in self.calls.items():
+        for callee in self.calls_binding(old):
+            args, outs = self.calls[callee]
             inside = callee == "" or scope == callee or scope.startswith(callee + ".")
             target = outs if inside else args
-            target[:] = [new if v == old else v for v in target]
+            if old in target:
+                target[:] = [new if v == old else v for v in target]
+                self._calls_of.setdefault(new, set()).add(callee)
+            if old not in args and old not in outs:
+                self._calls_of[old].discard(callee)
 
+    # -- values and ops ----------------------------------------------------------------------
     def add_value(self, value: Value) -> Value:
+        if value.id in self.values:
+            raise ValueError(f"value {value.id} already exists")
         self.values[value.id] = value
+        self._users[value.id] = {}
         return value
 
-    def add_op(self, op: Op, before: str | None = None) -> Op:
+    @contextlib.contextmanager
+    def inserting_before(self, op_id: str | None):
+        """New ops go before `op_id` (None: at the end) inside the block."""
+        saved, self._insert_point = self._insert_point, op_id
+        try:
+            yield
+        finally:
+            self._insert_point = saved
+
+    @contextlib.contextmanager
+    def inserting_after(self, op_id: str):
+        with self.inserting_before(self._next[op_id]):
+            yield
+
+    def insert_op(self, op: Op) -> Op:
+        """Add `op` at the insertion point (the end, or where `inserting_before` says)."""
+        if op.id in self.ops:
+            raise ValueError(f"op {op.id} already exists")
+        before = self._insert_point
+        after = self._prev[before]
+        self._next[after], self._prev[op.id], self._next[op.id], self._prev[before] = op.id, after, before, op.id
         self.ops[op.id] = op
-        self.nx.add_node(op.id)
-        if before is None:
-            self.order.append(op.id)
-        else:
-            self.order.insert(self.order.index(before), op.id)
         for v in op.inputs:
-            self._link(v, op.id)
+            self._users[v][op.id] = None
         return op
 
-    def _link(self, value_id: str, consumer: str) -> None:
-        producer = self.values[value_id].producer
-        if producer is not None:
-            self.nx.add_edge(producer, consumer, value=value_id)
-
-    def remove_op(self, op_id: str) -> None:
-        self.nx.remove_node(op_id)
-        self.order.remove(op_id)
-        del self.ops[op_id]
+    def erase_op(self, op_id: str) -> None:
+        """Remove an op whose results nobody uses."""
+        op = self.ops[op_id]
+        for v in op.outputs:
+            if self._users[v] or v in self.outputs:
+                raise ValueError(f"cannot erase {op_id}: its result {v} is still used")
+        for v in op.inputs:
+            self._users[v].pop(op_id, None)
+        after, before = self._prev[op_id], self._next[op_id]
+        self._next[after], self._prev[before] = before, after
+        del self._next[op_id], self._prev[op_id], self.ops[op_id]
 
     def replace_input(self, op: Op, index: int, value_id: str) -> None:
         old = op.inputs[index]
         op.inputs[index] = value_id
-        producer = self.values[old].producer
-        if producer is not None and old not in op.inputs and self.nx.has_edge(producer, op.id):
-            self.nx.remove_edge(producer, op.id)
-        self._link(value_id, op.id)
+        if old not in op.inputs:
+            self._users[old].pop(op.id, None)
+        self._users[value_id][op.id] = None
+
+    def set_inputs(self, op: Op, value_ids: list) -> None:
+        for v in op.inputs:
+            self._users[v].pop(op.id, None)
+        op.inputs = list(value_ids)
+        for v in op.inputs:
+            self._users[v][op.id] = None
+
+    def replace_all_uses_with(self, old: str, new: str, where=None) -> list:
+        """Every op reading `old` (and passing `where(op)`, if given) reads `new` instead; the ops
+        changed. The model's outputs are not changed (they are not ops)."""
+        changed = []
+        for user in self.users(old):
+            if where is not None and not where(user):
+                continue
+            for i, v in enumerate(user.inputs):
+                if v == old:
+                    self.replace_input(user, i, new)
+            changed.append(user)
+        return changed
+
+    def users(self, value_id: str) -> list:
+        """The ops that read a value, in the order they were connected."""
+        return [self.ops[o] for o in self._users[value_id]]
 
     def consumers(self, value_id: str) -> list:
-        """The ops that read a value (and "<output>" if the model returns it)."""
-        producer = self.values[value_id].producer
-        if producer is None:
-            users = [o for o in self.iter_ops() if value_id in o.inputs]
-        else:
-            users = [self.ops[s] for s in self.nx.successors(producer) if value_id in self.ops[s].inputs]
-        return users + (["<output>"] if value_id in self.outputs else [])
+        """The ops that read a value, and OUTPUT if the model returns it."""
+        return self.users(value_id) + ([OUTPUT] if value_id in self.outputs else [])
 
     def iter_ops(self):
-        return (self.ops[i] for i in self.order)
+        op_id = self._next[None]
+        while op_id is not None:
+            nxt = self._next[op_id]  # read before yielding: the caller may erase this op
+            yield self.ops[op_id]
+            op_id = nxt
+
+    def iter_ops_reversed(self):
+        op_id = self._prev[None]
+        while op_id is not None:
+            prv = self._prev[op_id]
+            yield self.ops[op_id]
+            op_id = prv
+
+    def next_op(self, op: Op) -> str | None:
+        return self._next[op.id]
 
     def unique_id(self, base: str) -> str:
-        if base not in self.ops:
+        if base not in self.ops and base not in self.values:
             return base
-        n = 2
-        while f"{base}#{n}" in self.ops:
+        n = max(self._id_counts.get(base, 1), 1) + 1
+        while f"{base}#{n}" in self.ops or f"{base}#{n}" in self.values:
             n += 1
+        self._id_counts[base] = n
         return f"{base}#{n}"
+
+    # -- invariants ----------------------------------------------------------------------------
+    def lint(self) -> None:
+        """Check every invariant the passes rely on; raise AssertionError naming the first broken one."""
+        seen: set = set()
+        defined = set(self.inputs)
+        count = 0
+        prev = None
+        for op in self.iter_ops():
+            count += 1
+            assert self._prev[op.id] == prev, f"order links broken at {op.id}"
+            prev = op.id
+            assert op.id not in seen, f"op {op.id} appears twice in the order"
+            seen.add(op.id)
+            for v in op.inputs:
+                assert v in self.values, f"{op.id} reads unknown value {v}"
+                assert v in defined, f"{op.id} reads {v} before it is made"
+                assert op.id in self._users[v], f"users of {v} miss {op.id}"
+            for v in op.outputs:
+                assert self.values[v].producer == op.id, f"value {v} names producer {self.values[v].producer}, not {op.id}"
+                defined.add(v)
+        assert count == len(self.ops), "ops missing from the execution order"
+        for vid, users in self._users.items():
+            for u in users:
+                assert u in self.ops and vid in self.ops[u].inputs, f"stale user {u} of {vid}"
+        for v in self.outputs:
+            assert v in defined, f"model output {v} is never made"
+        for scope, (args, outs) in self.calls.items():
+            for v in args + outs:
+                assert v in self.values, f"call {scope!r} binds unknown value {v}"
+                assert scope in self._calls_of.get(v, ()), f"call index misses {v} in {scope!r}"

@@ -2,6 +2,7 @@
 
 from .attention import CoreAttention, Rotary
 from .base import Attr, Ctx, LayoutRule, OpKind, Weight
+from .boundary import BoundaryOp
 from .elementwise import Add, Dropout, Gelu, Mul, Silu, Split, Swiglu
 from .embedding import Embedding, PositionEmbedding
 from .linear import BiasAdd, Linear
@@ -9,7 +10,7 @@ from .loss import CrossEntropy
 from .norm import LayerNorm, RMSNorm
 
 _ALL = (Linear(), BiasAdd(), Embedding(), PositionEmbedding(), LayerNorm(), RMSNorm(), Gelu(), Silu(), Swiglu(),
-        Dropout(), Split(), Add(), Mul(), Rotary(), CoreAttention(), CrossEntropy())
+        Dropout(), Split(), Add(), Mul(), Rotary(), CoreAttention(), CrossEntropy(), BoundaryOp())
 OPS = {op.name: op for op in _ALL}
 # what a spec may name with `op:` (builtins come from `+` and `*`; bias_add is made by the compiler)
 SPEC_OPS = {n: op for n, op in OPS.items() if not getattr(op, "builtin", False) and not getattr(op, "internal", False)}

@@ -20,11 +20,19 @@ class Rotary(OpKind):
             fail(f"last dim {shapes[0][-1]} is not a whole number of even heads of head_dim={attrs['head_dim']}")
         return [shapes[0]]
 
-    def rule(self, attrs, ctx):
+    def rule_tp(self, attrs, ctx):
         return LayoutRule(allowed=("I", "R", "S(h)"))
 
+    def rule_cp(self, attrs, ctx):
+        # on a CP shard the rotary module takes the positions of this rank's two chunks
+        return LayoutRule(allowed=("I", "S(s)"))
+
+    def out_segments(self, attrs, in_segments):
+        return in_segments[0] if in_segments else ()
+
     def constructor(self, node, ctx):
-        return f"runtime.RotaryEmbedding({node.attrs['head_dim']}, base={node.attrs['base']!r})"
+        cp = ", cp=self.cp" if node.in_layouts[0]["cp"] == "S(s)" else ""
+        return f"runtime.RotaryEmbedding({node.attrs['head_dim']}, base={node.attrs['base']!r}{cp})"
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({args[0]})"
@@ -39,6 +47,8 @@ class CoreAttention(OpKind):
         Attr("head_dim", "int", required=True, minimum=1),
         Attr("causal", "bool", default=True),
         Attr("dropout", "float", default=0.0, minimum=0.0),
+        Attr("cp_comm_type", "str", default="auto", choices=("auto", "p2p", "all_gather"),
+             doc="context parallelism: K/V around a ring of point-to-point sends, or all-gathered; auto: by the cost model"),
     )
     n_inputs = (3, 3)
     nonlinear = True
@@ -63,8 +73,51 @@ class CoreAttention(OpKind):
             fail("q, k and v must share their [sequence, batch] dims")
         return [shapes[0]]
 
-    def rule(self, attrs, ctx):
+    def rule_tp(self, attrs, ctx):
         return LayoutRule(allowed=("I", "S(h)"))
+
+    def rule_cp(self, attrs, ctx):
+        # S(s): this rank's two load-balanced chunks of q attend to the whole sequence's k, v,
+        # which the implementation brings in itself (ring of sends, or an all-gather)
+        return LayoutRule(allowed=("I", "S(s)"))
+
+    def cp_comm_type(self, attrs, setting: str = "auto") -> tuple:
+        """(p2p | all_gather, why): the spec's pin, then the flag's, then the cost model. Both move
+        the same K/V bytes; the ring overlaps them with the block computations and never holds
+        the full K/V, so it wins unless K/V are small next to Q (grouped-query attention), where
+        one all-gather is cheaper than N-1 latency-bound steps and the full K/V is little memory."""
+        pinned = attrs.get("cp_comm_type", "auto")
+        if pinned != "auto":
+            return pinned, "pinned by the spec"
+        if setting != "auto":
+            return setting, "pinned by --cp-comm-type"
+        if self.kv_heads(attrs) < attrs["num_heads"]:
+            return "all_gather", (f"grouped-query attention: K/V have {self.kv_heads(attrs)} of {attrs['num_heads']} "
+                                  "heads, one all-gather beats a ring of small steps")
+        return "p2p", "ring attention overlaps the K/V exchange with the block computations"
+
+    def choices(self, attrs, settings):
+        if settings.cp == 1:
+            return {}
+        kind, why = self.cp_comm_type(attrs, settings.cp_comm_type)
+        return {"cp_comm_type_resolved": kind, "cp_comm_reason": why}
+
+    def collectives(self, node, shapes_on, elt, mesh):
+        n = mesh.size("cp")
+        if n == 1 or node.in_layouts[0]["cp"] != "S(s)":
+            return [], []
+        _, k, v = shapes_on("cp")  # local over tp (heads), full sequence
+        kv = (numel(k) + numel(v)) * elt
+        if node.attrs.get("cp_comm_type_resolved", "p2p") == "all_gather":
+            # k and v all-gathered in forward; their gradients reduce-scattered in backward
+            return [("all_gather", numel(k) * elt), ("all_gather", numel(v) * elt)], \
+                   [("reduce_scatter", numel(k) * elt), ("reduce_scatter", numel(v) * elt)]
+        # the ring: N-1 steps, each sends this rank's current K/V block (1/N of the sequence) on
+        # and receives the next; backward sends K/V and their gradients around again
+        step = kv // n
+        fwd = [("send", step), ("recv", step)] * (n - 1)
+        bwd = [("send", 2 * step), ("recv", 2 * step)] * (n - 1)
+        return fwd, bwd
 
     def saved_bytes(self, node, local_in, local_out, elt):
         q, k, v = local_in
@@ -80,13 +133,23 @@ class CoreAttention(OpKind):
             saved += [(node.outputs[0], numel(local_out[0]) * elt), (node.id + ":lse", heads * s * b * 4)]
         return saved
 
+    def note(self, node):
+        if node.in_layouts and node.in_layouts[0]["cp"] == "S(s)":
+            kind = node.attrs.get("cp_comm_type_resolved", "p2p")
+            how = "K/V passed around the CP ring" if kind == "p2p" else "K/V all-gathered over CP"
+            return f"attention over the whole sequence: {how} inside ({kind}: {node.attrs.get('cp_comm_reason', '')})"
+        return ""
+
     def constructor(self, node, ctx):
         a = node.attrs
-        t = ctx.tp
+        t = ctx.tp if node.in_layouts[0]["tp"] == "S(h)" else 1
         backend = {"native": "sdpa"}.get(node.impl, node.impl)
+        extra = ", tp=self.tp" if a["dropout"] > 0 and t > 1 else ""
+        if node.in_layouts[0]["cp"] == "S(s)":
+            extra += f', cp=self.cp, cp_comm_type="{a.get("cp_comm_type_resolved", "p2p")}"'
         return (f"runtime.CoreAttention({a['num_heads'] // t}, {self.kv_heads(a) // t}, {a['head_dim']}, "
                 f"causal={a['causal']}, dropout={a['dropout']!r}, backend=\"{backend}\", rng_tracker=rng_tracker"
-                + (", tp=self.tp)" if a["dropout"] > 0 and t > 1 else ")"))
+                + extra + ")")
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({', '.join(args)})"

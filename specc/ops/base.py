@@ -51,12 +51,25 @@ class LayoutRule:
 
 @dataclass
 class Ctx:
-    """Parallel settings the op rules read."""
+    """Parallel settings the op rules read, and the mesh axis being typed.
+
+    Layout rules are stated per mesh axis: `rule` dispatches to `rule_tp`, `rule_cp`, ... by
+    `axis`, and `placement` values in a rule are that axis's (I, R, S(s), S(h), P)."""
 
     tp: int
     sp: bool
-    home: str  # layout of activations between layers: S(s) with sequence parallelism, else I
-    demand: dict = field(default_factory=dict)  # value id -> layout its consumers want
+    home: str  # placement of activations between layers on this axis (tp: S(s) with SP, else I)
+    demand: dict = field(default_factory=dict)  # value id -> placement its consumers want
+    cp: int = 1
+    axis: str = "tp"
+
+    @property
+    def size(self) -> int:
+        return {"tp": self.tp, "cp": self.cp}[self.axis]
+
+    def on(self, axis: str) -> "Ctx":
+        home = ("S(s)" if self.sp else "I") if axis == "tp" else ("S(s)" if self.cp > 1 else "I")
+        return Ctx(tp=self.tp, sp=self.sp, home=home, cp=self.cp, axis=axis)
 
 
 class OpKind:
@@ -83,16 +96,75 @@ class OpKind:
     def out_count(self, attrs: dict) -> int:
         return self.n_outputs
 
-    # -- layouts -------------------------------------------------------------------------
+    # -- layouts, one rule per mesh axis ---------------------------------------------------
     def rule(self, attrs: dict, ctx: Ctx) -> LayoutRule:
+        return getattr(self, f"rule_{ctx.axis}")(attrs, ctx)
+
+    def rule_tp(self, attrs: dict, ctx: Ctx) -> LayoutRule:
         return LayoutRule(allowed=("I", "R", "S(s)", "S(h)"), accepts_reduction=not self.nonlinear)
 
+    def rule_cp(self, attrs: dict, ctx: Ctx) -> LayoutRule:
+        """On the context-parallel axis an op works token by token unless it says otherwise: it
+        takes the sequence sharded (S(s)) as readily as whole (I)."""
+        return LayoutRule(allowed=("I", "S(s)"), accepts_reduction=not self.nonlinear)
+
     def absorbable(self, attrs: dict) -> dict:
-        """Boundaries on input 0 this op can perform itself: {(src, dst): runtime input mode}."""
+        """Boundaries on input 0 this op can perform itself: {(axis, src, dst): runtime input mode}."""
         return {}
 
+    def converts(self) -> bool:
+        """True for the boundary op kind: a layout conversion and nothing else."""
+        return False
+
+    def partial_grad_weights(self, node, axis: str, placement: str) -> list:
+        """Weights whose gradients are partial on `axis` when input 0 arrives with `placement`:
+        a replicated weight used on rank-divergent values (R, S(s)) gets a piece of its gradient
+        on each rank (Megatron's `sequence_parallel` tag, here derived)."""
+        if placement not in ("R", "S(s)"):
+            return []
+        return [w.name for w in self.weights(node.attrs) if w.shard_dim is None or axis != "tp"]
+
+    # -- what ops do to fused segments and sequence dims -------------------------------------
+    def input_segments(self, attrs: dict, shapes: list) -> tuple:
+        """How a sharded input's last dim must be cut into segments for this op to be right on
+        S(h) (a split cuts on its sections; a gated unit on its halves); () if any cut will do."""
+        return ()
+
+    def out_segments(self, attrs: dict, in_segments: list) -> tuple:
+        """Segments of output 0's last dim (a fused linear makes them; elementwise ops keep them)."""
+        return ()
+
+    def out_seq_dims(self, attrs: dict, in_seq_dims: list) -> list:
+        """Which dim of each output is the sequence (activations are sequence-first)."""
+        return [in_seq_dims[0] if in_seq_dims else 0] * self.out_count(attrs)
+
+    def choices(self, attrs: dict, settings) -> dict:
+        """Implementation choices made at resolve time, as attributes (name_resolved, name_reason)."""
+        return {}
+
+    def followers(self, attrs: dict) -> list:
+        """Internal ops the compiler adds right after this one: [(kind, attrs)]; each gets the
+        leader's submodule name as attrs["owner_attr"]."""
+        return []
+
+    def tie_contract(self, attrs: dict) -> tuple:
+        """(shape, TP shard dim) of the weight a `tie:` shares; ops without `tie` never ask."""
+        raise NotImplementedError(f"{self.name} has no tie attribute")
+
+    def shared_weights(self, attrs: dict) -> list:
+        """Weights this op trains that another op's submodule holds (a row-parallel bias)."""
+        return []
+
+    def owner(self, node) -> str | None:
+        """The submodule (attribute name) that holds this op's weights."""
+        return node.attr_name
+
+    def note(self, node) -> str:
+        """A comment for the generated line, when the op does something a reader should know."""
+        return ""
+
     # -- collectives the implementation issues itself: ([(kind, bytes)], [(kind, bytes)]) ----
-    def collectives(self, node, full_in: list, elt: int, tp: int):
+    def collectives(self, node, full_in: list, elt: int, mesh) -> tuple:
         return [], []
 
     # -- activation memory: bytes kept for backward on one rank --------------------------
@@ -114,12 +186,15 @@ class EmitCtx:
     """What emission needs beyond the node."""
 
     tp: int = 1
+    cp: int = 1
+    tied_expr: str = ""  # the Python expression of the weight a tied op shares
 
 
-def need_divisible(value: int, by: int, what: str, loc: Loc, hint: str = "") -> None:
+def need_divisible(value: int, by: int, what: str, loc: Loc, hint: str = "", axis: str = "tp") -> None:
+    name = {"tp": "tensor-model-parallel", "cp": "context-parallel"}[axis]
     if by > 1 and value % by:
-        raise SpecError(loc, f"{what}={value} is not divisible by tensor-model-parallel size {by}",
-                        hint or f"choose a multiple of {by} or a smaller --tensor-model-parallel-size")
+        raise SpecError(loc, f"{what}={value} is not divisible by {name} size {by}",
+                        hint or f"choose a multiple of {by} or a smaller --{name}-size")
 
 
 def numel(shape) -> int:

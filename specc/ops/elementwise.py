@@ -24,7 +24,7 @@ class Add(OpKind):
     def out_shapes(self, attrs, shapes, fail):
         return _same_shapes(shapes, fail)
 
-    def rule(self, attrs, ctx):
+    def rule_tp(self, attrs, ctx):
         return LayoutRule(allowed=_NOT_P, accepts_reduction=True, partial_ok=True)
 
     def call(self, node, args, ctx):
@@ -51,6 +51,9 @@ class Mul(OpKind):
 class _Activation(OpKind):
     nonlinear = True
     function = ""
+
+    def out_segments(self, attrs, in_segments):
+        return in_segments[0] if in_segments else ()
 
     def saved_bytes(self, node, local_in, local_out, elt):
         return [(node.inputs[0], numel(local_in[0]) * elt)]
@@ -83,6 +86,13 @@ class Swiglu(_Activation):
             fail(f"last dim {x[-1]} is odd; swiglu splits it into equal [gate | up] halves")
         return [tuple(x[:-1]) + (x[-1] // 2,)]
 
+    def input_segments(self, attrs, shapes):
+        half = shapes[0][-1] // 2
+        return (half, half)
+
+    def out_segments(self, attrs, in_segments):
+        return ()
+
 
 class Dropout(OpKind):
     name = "dropout"
@@ -93,14 +103,17 @@ class Dropout(OpKind):
         if attrs["p"] >= 1.0:
             raise SpecError(locs.get("p"), f"dropout p={attrs['p']} must be below 1")
 
-    def rule(self, attrs, ctx):
+    def rule_tp(self, attrs, ctx):
         return LayoutRule(allowed=_NOT_P, accepts_reduction=True)
+
+    def out_segments(self, attrs, in_segments):
+        return in_segments[0] if in_segments else ()
 
     def saved_bytes(self, node, local_in, local_out, elt):
         return [(node.id + ":mask", numel(local_in[0]))] if node.attrs["p"] > 0 else []
 
     def constructor(self, node, ctx):
-        layout = node.in_layouts[0]
+        layout = node.in_layouts[0]["tp"]
         stream = "default" if layout in ("I", "R") else "tensor-parallel"
         where = f', layout="{layout}", tp=self.tp' if layout in ("S(s)", "S(h)") and ctx.tp > 1 else ""
         return f'runtime.Dropout({node.attrs["p"]!r}, rng_tracker=rng_tracker, stream="{stream}"{where})'
@@ -124,5 +137,9 @@ class Split(OpKind):
             fail(f"sections {list(attrs['sections'])} sum to {sum(attrs['sections'])}, but the input's last dim is {x[-1]}")
         return [tuple(x[:-1]) + (n,) for n in attrs["sections"]]
 
+    def input_segments(self, attrs, shapes):
+        return tuple(attrs["sections"]) if len(attrs["sections"]) > 1 else ()
+
     def call(self, node, args, ctx):
-        return f"runtime.split({args[0]}, {node.local_sections})"
+        t = ctx.tp if node.in_layouts[0]["tp"] == "S(h)" else 1
+        return f"runtime.split({args[0]}, {[n // t for n in node.attrs['sections']]})"

@@ -30,10 +30,16 @@ class Embedding(OpKind):
     def weights(self, attrs):
         return [Weight("weight", (attrs["num_embeddings"], attrs["embedding_dim"]), "normal", 0)]
 
-    def rule(self, attrs, ctx):
+    def rule_tp(self, attrs, ctx):
         if ctx.tp == 1:
             return LayoutRule(fixed_inputs=("I",), fixed_outputs=("I",))
         return LayoutRule(fixed_inputs=("I",), fixed_outputs=("P",))
+
+    def rule_cp(self, attrs, ctx):
+        return LayoutRule(allowed=("I", "S(s)"))
+
+    def out_seq_dims(self, attrs, in_seq_dims):
+        return [0]  # token ids [b, s] in, sequence-first [s, b, h] out
 
     def constructor(self, node, ctx):
         a = node.attrs
@@ -61,12 +67,20 @@ class PositionEmbedding(OpKind):
     def weights(self, attrs):
         return [Weight("weight", (attrs["num_embeddings"], attrs["embedding_dim"]), "normal")]
 
-    def rule(self, attrs, ctx):
+    def rule_tp(self, attrs, ctx):
         return LayoutRule(fixed_inputs=("I",), fixed_outputs=("I",))
+
+    def rule_cp(self, attrs, ctx):
+        # on a CP shard of the tokens it looks up the positions of this rank's two chunks
+        return LayoutRule(allowed=("I", "S(s)"))
+
+    def out_seq_dims(self, attrs, in_seq_dims):
+        return [0]
 
     def constructor(self, node, ctx):
         a = node.attrs
-        return f"runtime.PositionEmbedding({a['num_embeddings']}, {a['embedding_dim']}, init_std={a['init_std']!r})"
+        cp = ", cp=self.cp" if node.in_layouts[0]["cp"] == "S(s)" else ""
+        return f"runtime.PositionEmbedding({a['num_embeddings']}, {a['embedding_dim']}, init_std={a['init_std']!r}{cp})"
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({args[0]})"

@@ -57,7 +57,7 @@ class Linear(OpKind):
                               0 if mode == "column" else None, segs if mode == "column" else ()))
         return out
 
-    def rule(self, attrs, ctx):
+    def rule_tp(self, attrs, ctx):
         mode = attrs["parallel"]
         if ctx.tp == 1 or mode == "none":
             return LayoutRule(allowed=("I", "R", "S(s)"), accepts_reduction=True)
@@ -68,10 +68,35 @@ class Linear(OpKind):
     def absorbable(self, attrs):
         # Megatron's column GEMM gathers its sequence-parallel input itself, and all-reduces the
         # input gradient of a replicated input while the weight gradient is computed
-        return {("S(s)", "R"): "gather", ("I", "R"): "copy"} if attrs["parallel"] == "column" else {}
+        if attrs["parallel"] != "column":
+            return {}
+        return {("tp", "S(s)", "R"): "gather", ("tp", "I", "R"): "copy"}
 
-    def collectives(self, node, full_in, elt, tp):
-        nbytes = numel(full_in[0]) * elt
+    def out_segments(self, attrs, in_segments):
+        segs = self.segments(attrs)
+        return segs if len(segs) > 1 else ()
+
+    def followers(self, attrs):
+        # a row-parallel linear's bias is added after the reduction of its partial sums
+        if attrs["parallel"] == "row" and attrs.get("bias"):
+            return [("bias_add", {"size": attrs["out_features"]})]
+        return []
+
+    def tie_contract(self, attrs) -> tuple:
+        """(the shape of the weight it shares, the dim TP shards it on) for `tie:` checks."""
+        return (attrs["out_features"], attrs["in_features"]), {"column": 0, "row": 1}.get(attrs["parallel"])
+
+    def note(self, node):
+        for a in node.absorbed:
+            if a.mode == "gather":
+                return (f"{node.attr_name} all-gathers its S(s) input over the sequence inside the GEMM "
+                        "(backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)")
+            return (f"{node.attr_name} takes an I input as R (backward: all-reduce of the input gradient, "
+                    "overlapped with the weight-gradient GEMM)")
+        return ""
+
+    def collectives(self, node, shapes_on, elt, mesh):
+        nbytes = numel(shapes_on("tp")[0]) * elt  # the TP collectives move the CP-local sequence
         fwd, bwd = [], []
         for a in node.absorbed:
             if a.mode == "gather":  # all-gather in; backward re-gathers the saved shard, reduce-scatters dgrad
@@ -99,7 +124,7 @@ class Linear(OpKind):
         if node.absorbed:
             kw.append(f'input_mode="{node.absorbed[0].mode}"')
         if node.tied_to:
-            kw.append(f"weight={node.tied_expr}")
+            kw.append(f"weight={ctx.tied_expr}")
         return f"runtime.{te}ColumnParallelLinear({', '.join(args + kw)}, tp={tp}, init_std={a['init_std']!r})"
 
     def call(self, node, args, ctx):
@@ -114,13 +139,31 @@ class BiasAdd(OpKind):
     internal = True
     attrs = (Attr("size", "int", required=True),)
 
-    def rule(self, attrs, ctx):
+    def rule_tp(self, attrs, ctx):
         # on partial sums (P) the bias joins on one rank only, so the sum over ranks adds it once:
         # partial sums of a parallel block can then still meet before a single reduction
         return LayoutRule(allowed=("I", "S(s)"), accepts_reduction=True, partial_ok=True)
 
+    def shared_weights(self, attrs):
+        return [Weight("bias", (attrs["size"],), "zeros")]
+
+    def partial_grad_weights(self, node, axis, placement):
+        # added on one rank to partial sums, or to rank-divergent values: a partial gradient
+        if placement in ("R", "S(s)") or (placement == "P" and axis == "tp"):
+            return ["bias"]
+        return []
+
+    def owner(self, node) -> str:
+        """The submodule that holds this bias (the row-parallel linear)."""
+        return node.attrs["owner_attr"]
+
+    def note(self, node) -> str:
+        if node.in_layouts and node.in_layouts[0]["tp"] == "P":
+            return "the bias joins the partial sums on one rank only, so the sum over ranks adds it once"
+        return ""
+
     def call(self, node, args, ctx):
         bias = f"self.{node.attrs['owner_attr']}.bias"
-        if node.in_layouts and node.in_layouts[0] == "P":
+        if node.in_layouts and node.in_layouts[0]["tp"] == "P":
             return f"{args[0]} + {bias} * float(self.tp.rank == 0)"
         return f"{args[0]} + {bias}"

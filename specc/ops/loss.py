@@ -17,14 +17,26 @@ class CrossEntropy(OpKind):
             fail(f"expects logits [s, b, vocab] and labels [b, s], got {list(logits)} and {list(labels)}")
         return [tuple(labels)]
 
-    def rule(self, attrs, ctx):
+    def rule_tp(self, attrs, ctx):
         return LayoutRule(allowed=("I", "S(h)"), accepts_reduction=True, joined_inputs=(0,),
                           fixed_inputs=(None, "I"), fixed_outputs=("I",))
 
-    def collectives(self, node, full_in, elt, tp):
-        if tp == 1 or node.in_layouts[0] != "S(h)":
+    def rule_cp(self, attrs, ctx):
+        return LayoutRule(allowed=("I", "S(s)"))  # per token: logits and labels sharded alike
+
+    def out_seq_dims(self, attrs, in_seq_dims):
+        return [in_seq_dims[1]]  # the per-token loss has the labels' [b, s] shape
+
+    def note(self, node):
+        if node.in_layouts and node.in_layouts[0]["tp"] == "S(h)":
+            return "vocab-parallel cross-entropy on sharded logits: two all-reduces of per-token fp32 values inside"
+        return ""
+
+    def collectives(self, node, shapes_on, elt, mesh):
+        if mesh.size("tp") == 1 or node.in_layouts[0]["tp"] != "S(h)":
             return [], []
-        s, b = full_in[0][0], full_in[0][1]
+        logits = shapes_on("tp")[0]
+        s, b = logits[0], logits[1]
         # the max logit per token, then its predicted logit and sum of exponentials together (fp32)
         return [("all_reduce", s * b * 4), ("all_reduce", 2 * s * b * 4)], []
 
@@ -32,6 +44,6 @@ class CrossEntropy(OpKind):
         return [(node.id + ":softmax", numel(local_in[0]) * 4)]  # fp32 softmax of the local logits
 
     def call(self, node, args, ctx):
-        if node.in_layouts[0] == "S(h)":
+        if node.in_layouts[0]["tp"] == "S(h)":
             return f"runtime.vocab_parallel_cross_entropy({args[0]}, {args[1]}, self.tp)"
         return f'runtime.vocab_parallel_cross_entropy({args[0]}, {args[1]}, runtime.Group.single("tp"))'

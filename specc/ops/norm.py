@@ -19,7 +19,7 @@ class _Norm(OpKind):
             fail(f"input has last dim {shapes[0][-1]}, expected hidden_size={attrs['hidden_size']}")
         return [shapes[0]]
 
-    def rule(self, attrs, ctx):
+    def rule_tp(self, attrs, ctx):
         return LayoutRule(allowed=("I", "R", "S(s)"), accepts_reduction=True)
 
     def saved_bytes(self, node, local_in, local_out, elt):

@@ -38,6 +38,7 @@ def resolve(graph, settings, have=available) -> None:
                 raise SpecError(where, f"{op.id}: a layer with a tied weight cannot use impl 'te'",
                                 "use impl: native (or auto) on it")
             op.impl, op.impl_reason = "native", "tied weight: te.Linear cannot share the embedding's weight"
+        op.attrs.update(kind.choices(op.attrs, settings))
 
 
 def _choose(kind, requested: str, pinned: bool, where, op_id: str, have):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from .. import __version__
 from ..ir.graph import DTYPE_BYTES
-from ..layouts import COLLECTIVES, local_shape
+from ..layouts import COLLECTIVES, I, local_shape_dims
 from ..ops import OPS
 from ..ops.base import numel
 
@@ -44,45 +44,44 @@ class Plan:
 def build_plan(graph) -> Plan:
     spec, settings = graph.spec, graph.spec.settings
     elt = DTYPE_BYTES[settings.dtype]
-    raw = [_entry(graph, op, elt, settings.tp) for op in graph.iter_ops()]
+    raw = [_entry(graph, op, elt) for op in graph.iter_ops()]
     entries, groups = _fold(graph, raw)
     totals = _totals(graph, raw, elt, settings)
     return Plan(spec.name, spec.path, spec.source_hash, settings, entries, groups, totals)
 
 
-def _entry(graph, op, elt: int, tp: int) -> Entry:
+def _entry(graph, op, elt: int) -> Entry:
     values = graph.values
-    full_in = [values[v].shape for v in op.inputs]
-    if op.kind == "boundary":
-        nbytes = numel(full_in[0]) * elt
-        fwd = [(op.boundary.forward, nbytes)] if op.boundary.forward in COLLECTIVES else []
-        bwd = [(op.boundary.backward, nbytes)] if op.boundary.backward in COLLECTIVES else []
-        notes = [op.boundary.function]
-        saved = 0
-    else:
-        kind = OPS[op.kind]
-        fwd, bwd = kind.collectives(op, full_in, elt, tp)
-        notes = []
-        if op.absorbed:
-            notes.append("absorbs " + ", ".join(a.boundary.function for a in op.absorbed))
-        if op.partial_grad:
-            notes.append("tp-partial grad: " + ", ".join(op.partial_grad))
-        if op.tied_to:
-            notes.append(f"weight shared with {op.tied_to}")
-        saved = 0
-    entry = Entry(op.id, op.kind, op.impl, op.impl_reason, list(op.in_layouts), list(op.out_layouts), fwd, bwd, saved,
-                  notes)
-    entry.saved_items = _saved(graph, op, elt, tp)
+    kind = OPS[op.kind]
+
+    def shapes_on(axis):
+        """Input shapes as the collectives of `axis` see them: local on every other axis."""
+        return [local_shape_dims(values[v].shape, lay.with_(axis, I), values[v].seq_dim)
+                for v, lay in zip(op.inputs, op.in_layouts)]
+
+    fwd, bwd = kind.collectives(op, shapes_on, elt, graph.mesh)
+    notes = []
+    if kind.converts():
+        notes.append(kind.boundary(op).function)
+    if op.absorbed:
+        notes.append("absorbs " + ", ".join(a.boundary.function for a in op.absorbed))
+    for axis in sorted(op.partial_grads, key=graph.mesh.axes.index):
+        notes.append(f"{axis}-partial grad: " + ", ".join(op.partial_grads[axis]))
+    if op.tied_to:
+        notes.append(f"weight shared with {op.tied_to}")
+    if op.attrs.get("cp_comm_type_resolved") and op.in_layouts and op.in_layouts[0]["cp"] != I:
+        notes.append(f"cp {op.attrs['cp_comm_type_resolved']}: {op.attrs['cp_comm_reason']}")
+    entry = Entry(op.id, op.kind, op.impl, op.impl_reason, [str(x) for x in op.in_layouts],
+                  [str(x) for x in op.out_layouts], fwd, bwd, 0, notes)
+    entry.saved_items = _saved(graph, op, elt)
     entry.saved = sum(b for _, b in entry.saved_items)
     return entry
 
 
-def _saved(graph, op, elt: int, tp: int) -> list:
-    if op.kind == "boundary":
-        return []
+def _saved(graph, op, elt: int) -> list:
     values = graph.values
-    local_in = [local_shape(values[v].shape, lay, tp) for v, lay in zip(op.inputs, op.in_layouts)]
-    local_out = [local_shape(values[v].shape, lay, tp) for v, lay in zip(op.outputs, op.out_layouts)]
+    local_in = [local_shape_dims(values[v].shape, lay, values[v].seq_dim) for v, lay in zip(op.inputs, op.in_layouts)]
+    local_out = [local_shape_dims(values[v].shape, lay, values[v].seq_dim) for v, lay in zip(op.outputs, op.out_layouts)]
     return OPS[op.kind].saved_bytes(op, local_in, local_out, elt)
 
 
@@ -128,27 +127,29 @@ def _renamed(e: Entry, name: str, count: int) -> Entry:
 
 
 def _totals(graph, raw: list, elt: int, settings) -> dict:
-    coll = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
+    coll = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES[:3]}
     for e in raw:
         for kind, nbytes in e.forward + e.backward:
-            coll[kind]["count"] += 1
-            coll[kind]["bytes"] += nbytes
-    params, partial, seen = 0, 0, set()
+            c = coll.setdefault(kind, {"count": 0, "bytes": 0})  # send/recv only where CP makes them
+            c["count"] += 1
+            c["bytes"] += nbytes
+    params, seen = 0, set()
+    partial = {axis: 0 for axis in graph.mesh.active}
     for op in graph.iter_ops():
-        if op.kind == "boundary":
-            continue
+        kind = OPS[op.kind]
         key = op.id.split("#")[0]
         if key in seen:  # an op called twice shares its weights
             continue
         seen.add(key)
-        if op.kind == "bias_add" and op.partial_grad:  # the row-parallel linear's bias, used on S(s)
-            partial += op.attrs["size"]
-        for w in OPS[op.kind].weights(op.attrs):
+        for w in kind.weights(op.attrs) + kind.shared_weights(op.attrs):
             n = numel(w.shape) // (settings.tp if w.shard_dim is not None else 1)
-            params += n
-            if w.name in op.partial_grad:
-                partial += n
-    grad_sync = {"all_reduce": {"count": 1 if partial else 0, "bytes": partial * 4}}
+            if w in kind.weights(op.attrs):
+                params += n
+            for axis, names in op.partial_grads.items():
+                if w.name in names:
+                    partial[axis] += n
+    sync_axes = {axis: n for axis, n in partial.items() if n}
+    grad_sync = {"all_reduce": {"count": len(sync_axes), "bytes": sum(sync_axes.values()) * 4}}
     saved, seen_saved, per_layer = 0, set(), {}
     for e in raw:
         for key, nbytes in e.saved_items:
@@ -159,17 +160,20 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
             layer = _layer_of(graph, e.name)
             if layer is not None:
                 per_layer[layer] = per_layer.get(layer, 0) + nbytes
-    return {
+    totals = {
         "collectives": coll,
         "grad_sync": grad_sync,
         "parameters": params,
         "parameter_bytes": params * elt,
         "gradient_bytes": params * 4,
         "optimizer_bytes": params * OPT_BYTES[settings.dtype],
-        "tp_partial_grad_parameters": partial,
+        "tp_partial_grad_parameters": partial.get("tp", 0),
         "activation_bytes": saved,
         "activation_bytes_per_layer": dict(sorted(per_layer.items())),
     }
+    if settings.cp > 1:
+        totals["cp_partial_grad_parameters"] = partial.get("cp", 0)
+    return totals
 
 
 def _layer_of(graph, name: str):

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 
-_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
+from ..ops import OPS
+
+_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "send": "SEND", "recv": "RECV"}
 
 
 def human_bytes(n: int) -> str:
@@ -21,13 +23,18 @@ def _colls(items: list) -> str:
     return " + ".join(f"{_SHORT[k]} {human_bytes(b)}" for k, b in items) or "-"
 
 
+def _converts(e) -> bool:
+    return OPS[e.kind].converts()
+
+
 def plan_text(plan) -> str:
     s = plan.settings
     lines = [
         f"# specc plan {plan.spec_name} ({os.path.basename(plan.spec_path)})",
         f"# specc {plan.version}  spec sha256 {plan.spec_hash[:16]}",
         f"# settings: {s.describe()}",
-        "# per rank; AR all-reduce, AG all-gather, RS reduce-scatter; bytes as the collective moves them",
+        "# per rank; AR all-reduce, AG all-gather, RS reduce-scatter" + ("; SEND/RECV point-to-point" if s.cp > 1 else "")
+        + "; bytes as the collective moves them",
         "",
     ]
     header = ("op", "impl", "layouts", "forward", "backward", "saved", "notes")
@@ -35,7 +42,7 @@ def plan_text(plan) -> str:
     for e in plan.entries:
         name = e.name + (f"  x{e.count}" if e.count > 1 else "")
         lay = f"{','.join(e.layouts_in) or '-'} -> {','.join(e.layouts_out) or '-'}"
-        rows.append((name, e.impl if e.kind != "boundary" else "boundary", lay, _colls(e.forward), _colls(e.backward),
+        rows.append((name, "boundary" if _converts(e) else e.impl, lay, _colls(e.forward), _colls(e.backward),
                      human_bytes(e.saved) if e.saved else "-", "; ".join(e.notes)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     for r in rows:
@@ -48,7 +55,10 @@ def plan_text(plan) -> str:
     gs = t["grad_sync"]["all_reduce"]
     if gs["count"]:
         lines.append(f"  tp grad sync    {gs['count']:>6} x   {human_bytes(gs['bytes']):>12}   "
-                     f"(all-reduce of {t['tp_partial_grad_parameters']:,} tp-partial gradient elements, once per step)")
+                     f"(all-reduce of {t['tp_partial_grad_parameters']:,} tp-partial gradient elements, once per step)"
+                     if "cp_partial_grad_parameters" not in t else
+                     f"(all-reduces of {t['tp_partial_grad_parameters']:,} tp-partial and "
+                     f"{t['cp_partial_grad_parameters']:,} cp-partial gradient elements, once per step each)")
     lines += [
         f"  parameters      {t['parameters']:>14,}   {human_bytes(t['parameter_bytes']):>12}",
         f"  gradients                       {human_bytes(t['gradient_bytes']):>12}   (fp32)",
@@ -64,7 +74,7 @@ def plan_text(plan) -> str:
             lines.append(f"  {pat} folds {n} identical instances")
     choices: dict = {}
     for e in plan.entries:
-        if e.kind != "boundary":
+        if not _converts(e):
             choices[(e.impl, e.impl_reason)] = choices.get((e.impl, e.impl_reason), 0) + e.count
     lines += ["", "implementations (why each was chosen)"]
     for (impl, reason), n in sorted(choices.items(), key=lambda kv: (-kv[1], kv[0])):
@@ -77,8 +87,7 @@ def plan_dict(plan) -> dict:
     return {
         "specc_version": plan.version,
         "spec": {"name": plan.spec_name, "file": os.path.basename(plan.spec_path), "sha256": plan.spec_hash},
-        "settings": {"tp": s.tp, "sp": s.sp, "backend": s.backend, "micro_batch_size": s.micro_batch_size,
-                     "dtype": s.dtype, "fuse": s.fuse},
+        "settings": s.as_dict(),
         "ops": [
             {"name": e.name, "count": e.count, "kind": e.kind, "impl": e.impl, "impl_reason": e.impl_reason,
              "layouts_in": e.layouts_in, "layouts_out": e.layouts_out,

@@ -23,6 +23,6 @@ def compiled():
         from specc.errors import Loc
 
         located = [(k, v, Loc("--set")) for k, v in dict(overrides).items()]
-        return load_and_compile(spec_path(name), Settings(tp=tp, sp=sp, **settings), located)
+        return load_and_compile(spec_path(name), Settings(tp=tp, sp=sp, **settings), located, lint=True)
 
     return make

@@ -8,12 +8,19 @@ import pytest
 
 from specc.errors import SpecError
 from specc.layouts import SH, SS, I, P, R
+from specc.ops import OPS
+from specc.ops.base import EmitCtx
 
 SPECS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "specs")
 
 
 def boundaries(graph, scope_prefix=""):
-    return [op for op in graph.iter_ops() if op.kind == "boundary" and op.scope.startswith(scope_prefix)]
+    return [op for op in graph.iter_ops() if OPS[op.kind].converts() and op.scope.startswith(scope_prefix)]
+
+
+def tp_layouts(layouts):
+    """The tp placements of a list of per-axis layouts."""
+    return [lay["tp"] for lay in layouts]
 
 
 def layer_collectives(graph, layer="layers.0"):
@@ -22,9 +29,10 @@ def layer_collectives(graph, layer="layers.0"):
     for op in graph.iter_ops():
         if not (op.scope == layer or op.scope.startswith(layer + ".")):
             continue
-        if op.kind == "boundary":
-            fwd += [op.boundary.forward] if op.boundary.forward in ("all_reduce", "all_gather", "reduce_scatter") else []
-            bwd += [op.boundary.backward] if op.boundary.backward in ("all_reduce", "all_gather", "reduce_scatter") else []
+        if OPS[op.kind].converts():
+            b = OPS[op.kind].boundary(op)
+            fwd += [b.forward] if b.forward in ("all_reduce", "all_gather", "reduce_scatter") else []
+            bwd += [b.backward] if b.backward in ("all_reduce", "all_gather", "reduce_scatter") else []
         for a in op.absorbed:
             if a.mode == "gather":
                 fwd.append("all_gather")
@@ -40,7 +48,7 @@ def test_gpt_tp2_without_sp_is_megatron_tp(compiled):
     # one forward all-reduce after attention and one after the MLP; their backward mirror
     assert fwd == ["all_reduce", "all_reduce"]
     assert bwd == ["all_reduce", "all_reduce"]
-    reduces = [op for op in boundaries(g, "layers.0") if op.boundary.src == P]
+    reduces = [op for op in boundaries(g, "layers.0") if OPS[op.kind].boundary(op).src == P]
     assert [op.scope for op in reduces] == ["layers.0.self_attention", "layers.0.mlp"]
 
 
@@ -52,7 +60,7 @@ def test_gpt_tp2_with_sp_is_megatron_sp(compiled):
     assert "all_reduce" not in bwd
     for op in g.iter_ops():
         if op.scope.startswith("layers.") and op.kind in ("layernorm", "dropout", "add"):
-            assert op.in_layouts[0] == SS, op.id
+            assert op.in_layouts[0]["tp"] == SS, op.id
 
 
 def test_parallel_block_reduces_once_per_layer(compiled):
@@ -61,7 +69,7 @@ def test_parallel_block_reduces_once_per_layer(compiled):
         fwd, _ = layer_collectives(g)
         reductions = [c for c in fwd if c in ("all_reduce", "reduce_scatter")]
         assert len(reductions) == 1, (sp, fwd)
-        merged = [op for op in g.iter_ops() if op.scope == "layers.0" and op.kind == "add" and op.in_layouts == [P, P]]
+        merged = [op for op in g.iter_ops() if op.scope == "layers.0" and op.kind == "add" and tp_layouts(op.in_layouts) == [P, P]]
         assert len(merged) == 1
 
 
@@ -70,7 +78,7 @@ def test_tp1_has_no_collectives(compiled):
         _, g = compiled(name, tp=1, sp=True)
         assert not boundaries(g)
         assert all(not op.absorbed for op in g.iter_ops())
-        assert all(set(op.in_layouts) <= {I} for op in g.iter_ops())
+        assert all(set(map(str, op.in_layouts)) <= {I} for op in g.iter_ops())
 
 
 def test_tp4_with_six_heads_is_a_located_error(compiled):
@@ -119,8 +127,9 @@ def test_tied_output_layer_shares_the_embedding(compiled):
 def test_fused_weights_shard_per_segment(compiled):
     _, g = compiled("llama-tiny.yaml", tp=2)
     split = g.ops["layers.0.self_attention.split_qkv"]
-    assert split.in_layouts == [SH]
-    assert split.local_sections == [32, 16, 16]  # q, k, v halves of [64, 32, 32]
+    assert tp_layouts(split.in_layouts) == [SH]
+    call = OPS["split"].call(split, ["qkv"], EmitCtx(tp=2))
+    assert call == "runtime.split(qkv, [32, 16, 16])"  # q, k, v halves of [64, 32, 32]
 
 
 def test_a_fused_weight_without_segments_is_an_error(tmp_path):
@@ -152,13 +161,13 @@ modules:
 
 def test_vocab_parallel_cross_entropy_takes_sharded_logits(compiled):
     _, g = compiled("gpt.yaml", tp=2, sp=True)
-    assert g.ops["loss"].in_layouts == [SH, I]  # never gathered: that would add log(t)
+    assert tp_layouts(g.ops["loss"].in_layouts) == [SH, I]  # never gathered: that would add log(t)
 
 
 def test_no_fuse_keeps_boundaries_visible(compiled):
     _, g = compiled("gpt.yaml", tp=2, sp=True, fuse=False)
     qkv_in = [op for op in boundaries(g, "layers.0.self_attention")]
-    assert any(op.boundary.src == SS and op.boundary.dst == R for op in qkv_in)
+    assert any(OPS[op.kind].boundary(op).src == SS and OPS[op.kind].boundary(op).dst == R for op in qkv_in)
     assert not any(op.absorbed for op in g.iter_ops())
 
 
@@ -211,6 +220,6 @@ def test_parallel_block_with_biases_still_reduces_once(compiled):
         fwd, _ = layer_collectives(g)
         assert len([c for c in fwd if c in ("all_reduce", "reduce_scatter")]) == 1, (sp, fwd)
         bias = g.ops["layers.0.mlp.linear_fc2.bias"]
-        assert bias.in_layouts == [P] and bias.partial_grad == ["bias"]  # added on one rank
+        assert tp_layouts(bias.in_layouts) == [P] and bias.partial_grad == ["bias"]  # added on one rank
     _, g = compiled("gpt.yaml", tp=2, sp=True)  # no partial sums to merge: Megatron's bias after the reduction
-    assert g.ops["layers.0.mlp.linear_fc2.bias"].in_layouts == [SS]
+    assert tp_layouts(g.ops["layers.0.mlp.linear_fc2.bias"].in_layouts) == [SS]

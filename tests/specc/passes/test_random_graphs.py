@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from specc.errors import SpecError
 from specc.frontend.model import Settings
 from specc.layouts import P, conversion_path
-from specc.ops import OPS
+from specc.ops import OPS, Ctx
 from specc.pipeline import load_and_compile
 
 H, F, V, S = 16, 32, 32, 8
@@ -91,47 +91,55 @@ modules:
 
 
 def check_typed(graph) -> None:
-    ctx_tp = graph.spec.settings.tp
+    graph.lint()
+    settings = graph.spec.settings
     for op in graph.iter_ops():
+        kind = OPS[op.kind]
         got = [graph.values[v].layout for v in op.inputs]
         assert got == op.in_layouts, f"{op.id} receives {got} but requires {op.in_layouts}"
-        if op.kind == "boundary":
-            assert op.boundary.src != op.boundary.dst
+        if kind.converts():
+            b = kind.boundary(op)
+            assert b.src != b.dst
             src = graph.values[op.inputs[0]].producer
-            if src and graph.ops[src].kind == "boundary":
-                prev = graph.ops[src].boundary
-                assert (prev.src, prev.dst) != (op.boundary.dst, op.boundary.src), f"{op.id} undoes {src}"
-                assert conversion_path(prev.src, op.boundary.dst) != [], f"{src} then {op.id} is a no-op"
+            if src and OPS[graph.ops[src].kind].converts():
+                prev = OPS[graph.ops[src].kind].boundary(graph.ops[src])
+                if prev.axis == b.axis:
+                    assert (prev.src, prev.dst) != (b.dst, b.src), f"{op.id} undoes {src}"
+                    assert conversion_path(b.axis, prev.src, b.dst) != [], f"{src} then {op.id} is a no-op"
             assert graph.consumers(op.outputs[0]), f"{op.id} converts a value nobody reads"
             continue
-        rule = OPS[op.kind].rule(op.attrs, type("C", (), {"tp": ctx_tp, "sp": graph.spec.settings.sp,
-                                                            "home": "S(s)" if graph.spec.settings.sp else "I"})())
-        for i, lay in enumerate(op.in_layouts):
-            fixed = rule.fixed_inputs[i] if rule.fixed_inputs else None
-            if ctx_tp == 1:
-                assert lay == "I"
-            elif fixed is not None:
-                absorbed = [a.boundary for a in op.absorbed if i == 0]
-                assert lay == fixed or (absorbed and absorbed[0].src == lay and absorbed[0].dst == fixed), op.id
-            else:
-                assert lay in rule.allowed or (lay == P and rule.partial_ok), f"{op.id}: {lay}"
+        for axis in graph.mesh.axes:
+            ctx = Ctx(tp=settings.tp, sp=settings.sp, home="S(s)" if settings.sp else "I", cp=settings.cp).on(axis)
+            rule = kind.rule(op.attrs, ctx)
+            for i, layout in enumerate(op.in_layouts):
+                lay = layout[axis]
+                fixed = rule.fixed_inputs[i] if rule.fixed_inputs else None
+                if ctx.size == 1:
+                    assert lay == "I"
+                elif fixed is not None:
+                    absorbed = [a.boundary for a in op.absorbed if i == 0 and a.boundary.axis == axis]
+                    assert lay == fixed or (absorbed and absorbed[0].src == lay and absorbed[0].dst == fixed), op.id
+                else:
+                    assert lay in rule.allowed or (lay == P and rule.partial_ok), f"{op.id}: {lay} on {axis}"
     seen = set()
     for op in graph.iter_ops():  # one conversion of a value to a layout per module
-        if op.kind == "boundary":
-            key = (op.inputs[0], op.boundary.dst, op.scope)
+        if OPS[op.kind].converts():
+            b = OPS[op.kind].boundary(op)
+            key = (op.inputs[0], b.axis, b.dst, op.scope)
             assert key not in seen, f"{op.id} repeats a conversion"
             seen.add(key)
     for vid in graph.outputs:
-        assert graph.values[vid].layout == "I"
+        assert str(graph.values[vid].layout) == "I"
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(text=random_spec(), tp=st.sampled_from([1, 2, 4]), sp=st.booleans(), fuse=st.booleans())
-def test_random_graphs_typecheck_without_redundant_boundaries(tmp_path_factory, text, tp, sp, fuse):
+@given(text=random_spec(), tp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2]), sp=st.booleans(),
+       fuse=st.booleans())
+def test_random_graphs_typecheck_without_redundant_boundaries(tmp_path_factory, text, tp, cp, sp, fuse):
     path = tmp_path_factory.mktemp("g") / "random.yaml"
     path.write_text(text)
     try:
-        _, graph = load_and_compile(str(path), Settings(tp=tp, sp=sp, fuse=fuse, micro_batch_size=2))
+        _, graph = load_and_compile(str(path), Settings(tp=tp, cp=cp, sp=sp, fuse=fuse, micro_batch_size=2), lint=True)
     except SpecError as e:  # the only allowed failure: a located, one-line error
         assert e.loc is not None and "\n" not in e.format()
         raise
