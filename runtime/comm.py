@@ -32,7 +32,7 @@ def _reduce_scatter(out, inp, **kwargs):
 
 @dataclass(frozen=True)
 class CommRecord:
-    kind: str  # "all_reduce" | "all_gather" | "reduce_scatter"
+    kind: str  # "all_reduce" | "all_gather" | "reduce_scatter" | "send" | "recv"
     group: str  # Group.name
     bytes: int  # per rank, see CommCounter
 
@@ -41,7 +41,9 @@ class CommCounter:
     """Records every collective issued while it is active.
 
     bytes per rank: all_reduce counts its input, all_gather its output (the gathered
-    tensor), reduce_scatter its input (the full tensor).
+    tensor), reduce_scatter its input (the full tensor); a point-to-point exchange
+    (send_recv) records one "send" with the sent tensor and one "recv" with the
+    received tensor, each on the rank that issues it.
 
     Active counters live on a process-wide stack guarded by a lock rather than in a
     contextvar: autograd may run backward on its own threads (one per CUDA device),
@@ -114,6 +116,40 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group, as
     _check_contiguous(inp, "reduce_scatter input")
     CommCounter._record("reduce_scatter", group, inp)
     return _reduce_scatter(out, inp, group=group.group, async_op=async_op)
+
+
+def send_recv(send_tensor: torch.Tensor | None, dst: int | None, recv_tensor: torch.Tensor | None,
+              src: int | None, group: Group, tag: int = 0) -> list:
+    """Point-to-point: send `send_tensor` to group rank `dst` and receive `recv_tensor` from
+    group rank `src`, both asynchronously (one batch_isend_irecv); returns the work handles
+    to wait on. `dst`/`src` are ranks WITHIN `group` (translated to global ranks through
+    Group.ranks). Either side may be None (send only, receive only). On a group of size 1
+    the peer is this rank itself: the tensor is copied and nothing is counted.
+    Messages between one pair of ranks are matched in issue order per `tag`."""
+    if (send_tensor is None) != (dst is None) or (recv_tensor is None) != (src is None):
+        raise ValueError("send_recv: give a tensor and a peer for each side used, or neither")
+    if group.size == 1:
+        if send_tensor is not None and recv_tensor is not None:
+            _copy_if_distinct(recv_tensor, send_tensor)
+        return []
+    ops = []
+    if send_tensor is not None:
+        _check_peer(dst, group, "dst")
+        _check_contiguous(send_tensor, "send tensor")
+        CommCounter._record("send", group, send_tensor)
+        ops.append(dist.P2POp(dist.isend, send_tensor, group.ranks[dst], group.group, tag))
+    if recv_tensor is not None:
+        _check_peer(src, group, "src")
+        _check_contiguous(recv_tensor, "recv tensor")
+        CommCounter._record("recv", group, recv_tensor)
+        ops.append(dist.P2POp(dist.irecv, recv_tensor, group.ranks[src], group.group, tag))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _check_peer(peer: int, group: Group, what: str) -> None:
+    if not 0 <= peer < group.size or peer == group.rank:
+        raise ValueError(f"send_recv {what}={peer} must be another rank of group {group.name!r} "
+                         f"(size {group.size}, this rank {group.rank})")
 
 
 def _copy_if_distinct(out: torch.Tensor, inp: torch.Tensor) -> None:
