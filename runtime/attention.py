@@ -3,6 +3,9 @@
 Inputs are sequence-first [s, b, heads * head_dim]; head counts are per rank
 (already divided by the tensor-parallel size), so no communication happens here.
 Dropout runs on the "tensor-parallel" RNG stream: each rank owns different heads.
+With a context-parallel group `cp` of size > 1 the inputs are this rank's load-balanced
+sequence chunks and attention runs over the whole sequence through
+runtime.context_parallel (comm type "p2p" ring or "all_gather"; backends sdpa and unfused).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .context_parallel import COMM_TYPES, context_parallel_attention
 from .parallel_state import Group
 from .random import RNGTracker
 
@@ -32,11 +36,19 @@ class CoreAttention(nn.Module):
         backend: str = "sdpa",
         rng_tracker: RNGTracker | None = None,
         tp: Group | None = None,
+        cp: Group | None = None,
+        cp_comm_type: str = "p2p",
     ):
         super().__init__()
         self.tp = tp or Group.single("tp")  # only the TP-invariant dropout mode needs it
+        self.cp, self.cp_comm_type = cp or Group.single("cp"), cp_comm_type
         if backend not in _BACKENDS:
             raise ValueError(f"attention backend must be one of {_BACKENDS}, got {backend!r}")
+        if cp_comm_type not in COMM_TYPES:
+            raise ValueError(f"cp_comm_type must be one of {COMM_TYPES}, got {cp_comm_type!r}")
+        if self.cp.size > 1 and backend not in ("sdpa", "unfused"):
+            raise ValueError(f"context parallelism (cp={self.cp.size}) runs the runtime's own attention: "
+                             f"use backend 'sdpa' or 'unfused', not {backend!r}")
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -53,6 +65,11 @@ class CoreAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         fork = self.rng_tracker.fork("tensor-parallel") if p > 0 and self.rng_tracker else contextlib.nullcontext()
         with fork:
+            if self.cp.size > 1:
+                return context_parallel_attention(
+                    q, k, v, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    cp=self.cp, comm_type=self.cp_comm_type, causal=self.causal, dropout_p=p,
+                    rng_tracker=self.rng_tracker, tp=self.tp)
             if self.backend == "te":
                 return self.te_attention(q4, k4, v4)  # sbhd in, [s, b, nh * d] out
             if self.backend == "flash":
@@ -110,7 +127,8 @@ class CoreAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"causal={self.causal}, dropout={self.dropout}, backend={self.backend}")
+                f"causal={self.causal}, dropout={self.dropout}, backend={self.backend}"
+                + (f", cp={self.cp.size}, cp_comm_type={self.cp_comm_type}" if self.cp.size > 1 else ""))
 
 
 def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:

@@ -12,6 +12,7 @@ from torch import nn
 
 from . import comm
 from .attention import CoreAttention
+from .context_parallel import load_balanced_positions
 from .init import tag_parameter
 from .mappings import gather_dim0
 from .parallel_state import Group
@@ -221,20 +222,26 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class PositionEmbedding(nn.Module):
-    """Learned absolute positions; forward(tokens [b, s]) -> [s, b, h] for positions 0..s-1."""
+    """Learned absolute positions; forward(tokens [b, s]) -> [s, b, h] for positions 0..s-1.
+    With a context-parallel `cp` of size N > 1, tokens are this rank's load-balanced chunks of
+    an N*s sequence and the rows are their global positions (load_balanced_positions)."""
 
-    def __init__(self, max_positions: int, embedding_dim: int, *, init_std: float = 0.02):
+    def __init__(self, max_positions: int, embedding_dim: int, *, init_std: float = 0.02,
+                 cp: Group | None = None):
         super().__init__()
-        self.max_positions = max_positions
+        self.max_positions, self.cp = max_positions, cp
         self.weight = nn.Parameter(torch.empty(max_positions, embedding_dim))
         tag_parameter(self.weight, "normal", std=init_std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         b, s = tokens.shape
-        if s > self.max_positions:
-            raise ValueError(f"sequence length {s} exceeds max_positions={self.max_positions}")
+        n = self.cp.size if self.cp is not None else 1
+        if s * n > self.max_positions:
+            raise ValueError(f"sequence length {s * n} exceeds max_positions={self.max_positions}")
+        rows = self.weight[:s] if n == 1 else self.weight.index_select(
+            0, load_balanced_positions(s, self.cp, self.weight.device))
         # A broadcast view over the batch: the caller adds it to the token embedding.
-        return self.weight[:s].unsqueeze(1).expand(s, b, self.weight.shape[1])
+        return rows.unsqueeze(1).expand(s, b, self.weight.shape[1])
 
 
 class LayerNorm(nn.Module):
@@ -271,14 +278,16 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding, rotate-half (non-interleaved) convention.
 
-    forward(x [s, b, n*d]) rotates every head of size head_dim at positions 0..s-1.
+    forward(x [s, b, n*d]) rotates every head of size head_dim at positions 0..s-1; with a
+    context-parallel `cp` of size N > 1, at the global positions of this rank's load-balanced
+    chunks of the N*s sequence (load_balanced_positions).
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0):
+    def __init__(self, head_dim: int, base: float = 10000.0, *, cp: Group | None = None):
         super().__init__()
         if head_dim % 2 != 0:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
-        self.head_dim, self.base = head_dim, base
+        self.head_dim, self.base, self.cp = head_dim, base, cp
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self._cache: tuple | None = None  # (seq_len, device, dtype, cos, sin)
@@ -298,7 +307,12 @@ class RotaryEmbedding(nn.Module):
         if width % self.head_dim != 0:
             raise ValueError(f"last dim {width} is not a multiple of head_dim {self.head_dim}")
         heads = x.reshape(s, b, width // self.head_dim, self.head_dim)
-        cos, sin = self._cos_sin(s, x.device, x.dtype)
+        if self.cp is not None and self.cp.size > 1:
+            cos, sin = self._cos_sin(s * self.cp.size, x.device, x.dtype)
+            positions = load_balanced_positions(s, self.cp, x.device)
+            cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+        else:
+            cos, sin = self._cos_sin(s, x.device, x.dtype)
         cos, sin = cos[:, None, None, :], sin[:, None, None, :]
         first, second = heads.chunk(2, dim=-1)
         rotated = torch.cat([-second, first], dim=-1)

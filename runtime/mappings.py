@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
+from .context_parallel import gather_load_balanced, split_load_balanced
 from .parallel_state import Group
 
 # ---------------------------------------------------------------------------
@@ -197,3 +198,47 @@ def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> to
     if group.size == 1:
         return x
     return _ScatterToTensorModelParallelRegion.apply(x, group)
+
+
+# ---------------------------------------------------------------------------
+# Context parallelism: the sequence in load-balanced order over the cp group
+# (runtime/context_parallel.py). dim is 0 for [s, b, h] activations, 1 for [b, s]
+# token ids, labels and per-token losses. Forward works on integer tensors too.
+
+
+class _ScatterToContextParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return split_load_balanced(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_load_balanced(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromContextParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return gather_load_balanced(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_load_balanced(grad, ctx.group, ctx.dim), None, None
+
+
+def scatter_to_context_parallel_region(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Natural order -> this CP rank's chunks (r, 2N-1-r) along `dim`: forward keep them
+    (no communication), backward all-gather along `dim` and restore the natural order."""
+    if group.size == 1:
+        return x
+    return _ScatterToContextParallelRegion.apply(x, group, dim)
+
+
+def gather_from_context_parallel_region(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """This CP rank's chunks -> the full sequence in natural order: forward all-gather along
+    `dim` and un-permute, backward keep this rank's chunks (no communication)."""
+    if group.size == 1:
+        return x
+    return _GatherFromContextParallelRegion.apply(x, group, dim)
