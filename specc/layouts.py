@@ -137,8 +137,6 @@ BOUNDARIES = dict([
     _tp(I, SH, "scatter_to_tensor_model_parallel_region", "split", "all_gather"),
     _cp(I, SS, "scatter_to_context_parallel_region", "split", "all_gather", seq=True),
     _cp(SS, I, "gather_from_context_parallel_region", "all_gather", "split", seq=True),
-    _cp(P, I, "reduce_from_context_parallel_region", "all_reduce", ""),
-    _cp(I, R, "copy_to_context_parallel_region", "", "all_reduce"),
 ])
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")

@@ -25,7 +25,7 @@ class Rotary(OpKind):
 
     def rule_cp(self, attrs, ctx):
         # on a CP shard the rotary module takes the positions of this rank's two chunks
-        return LayoutRule(allowed=("I", "S(s)"))
+        return LayoutRule(allowed=("S(s)",))
 
     def out_segments(self, attrs, in_segments):
         return in_segments[0] if in_segments else ()
@@ -79,7 +79,7 @@ class CoreAttention(OpKind):
     def rule_cp(self, attrs, ctx):
         # S(s): this rank's two load-balanced chunks of q attend to the whole sequence's k, v,
         # which the implementation brings in itself (ring of sends, or an all-gather)
-        return LayoutRule(allowed=("I", "S(s)"))
+        return LayoutRule(allowed=("S(s)",))
 
     def cp_comm_type(self, attrs, setting: str = "auto") -> tuple:
         """(p2p | all_gather, why): the spec's pin, then the flag's, then the cost model. Both move
@@ -112,11 +112,12 @@ class CoreAttention(OpKind):
             # k and v all-gathered in forward; their gradients reduce-scattered in backward
             return [("all_gather", numel(k) * elt), ("all_gather", numel(v) * elt)], \
                    [("reduce_scatter", numel(k) * elt), ("reduce_scatter", numel(v) * elt)]
-        # the ring: N-1 steps, each sends this rank's current K/V block (1/N of the sequence) on
-        # and receives the next; backward sends K/V and their gradients around again
+        # the ring: N-1 steps, each sends this rank's current K/V block (1/N of the sequence, k and
+        # v in one message) on and receives the next; backward circulates K/V again (N-1 steps)
+        # and sends the accumulated dK/dV all the way round to their owners (N steps)
         step = kv // n
         fwd = [("send", step), ("recv", step)] * (n - 1)
-        bwd = [("send", 2 * step), ("recv", 2 * step)] * (n - 1)
+        bwd = [("send", step), ("recv", step)] * (2 * n - 1)
         return fwd, bwd
 
     def saved_bytes(self, node, local_in, local_out, elt):

@@ -104,9 +104,10 @@ class OpKind:
         return LayoutRule(allowed=("I", "R", "S(s)", "S(h)"), accepts_reduction=not self.nonlinear)
 
     def rule_cp(self, attrs: dict, ctx: Ctx) -> LayoutRule:
-        """On the context-parallel axis an op works token by token unless it says otherwise: it
-        takes the sequence sharded (S(s)) as readily as whole (I)."""
-        return LayoutRule(allowed=("I", "S(s)"), accepts_reduction=not self.nonlinear)
+        """On the context-parallel axis the sequence is sharded outside attention by definition:
+        an op works token by token on this rank's chunks unless it says otherwise (an op that
+        needs the whole sequence would say allowed=("I",) and get it gathered)."""
+        return LayoutRule(allowed=("S(s)",), accepts_reduction=not self.nonlinear)
 
     def absorbable(self, attrs: dict) -> dict:
         """Boundaries on input 0 this op can perform itself: {(axis, src, dst): runtime input mode}."""

@@ -41,6 +41,8 @@ class BoundaryOp(OpKind):
         nbytes = numel(shapes_on(b.axis)[0]) * elt
         fwd = [(b.forward, nbytes)] if b.forward in ("all_reduce", "all_gather", "reduce_scatter") else []
         bwd = [(b.backward, nbytes)] if b.backward in ("all_reduce", "all_gather", "reduce_scatter") else []
+        if not node.attrs.get("grad", True):
+            bwd = []
         return fwd, bwd
 
     def name_suffix(self, node) -> str:

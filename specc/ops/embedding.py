@@ -36,7 +36,7 @@ class Embedding(OpKind):
         return LayoutRule(fixed_inputs=("I",), fixed_outputs=("P",))
 
     def rule_cp(self, attrs, ctx):
-        return LayoutRule(allowed=("I", "S(s)"))
+        return LayoutRule(allowed=("S(s)",))
 
     def out_seq_dims(self, attrs, in_seq_dims):
         return [0]  # token ids [b, s] in, sequence-first [s, b, h] out
@@ -72,7 +72,7 @@ class PositionEmbedding(OpKind):
 
     def rule_cp(self, attrs, ctx):
         # on a CP shard of the tokens it looks up the positions of this rank's two chunks
-        return LayoutRule(allowed=("I", "S(s)"))
+        return LayoutRule(allowed=("S(s)",))
 
     def out_seq_dims(self, attrs, in_seq_dims):
         return [0]

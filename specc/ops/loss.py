@@ -22,7 +22,7 @@ class CrossEntropy(OpKind):
                           fixed_inputs=(None, "I"), fixed_outputs=("I",))
 
     def rule_cp(self, attrs, ctx):
-        return LayoutRule(allowed=("I", "S(s)"))  # per token: logits and labels sharded alike
+        return LayoutRule(allowed=("S(s)",))  # per token: logits and labels sharded alike
 
     def out_seq_dims(self, attrs, in_seq_dims):
         return [in_seq_dims[1]]  # the per-token loss has the labels' [b, s] shape

@@ -250,7 +250,8 @@ def _insert_path(g: Graph, value: Value, axis: str, want: str, scope: str, befor
         layout_in = current.layout
         out = g.add_value(Value(bid, current.name, current.shape, current.dtype, bid, layout_in.with_(axis, boundary.dst),
                                 current.segments, current.seq_dim))
-        attrs = {"axis": axis, "src": boundary.src, "dst": boundary.dst}
+        # token ids and labels carry no gradient: their boundaries issue nothing in backward
+        attrs = {"axis": axis, "src": boundary.src, "dst": boundary.dst, "grad": current.dtype in ("act", "float32")}
         if boundary.seq_dim_kwarg:
             attrs["seq_dim"] = current.seq_dim
         b = Op(bid, "boundary", attrs, [current.id], [out.id], scope, g.scopes[scope], None, anchor.step, anchor.loc,

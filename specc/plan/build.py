@@ -59,7 +59,9 @@ def _entry(graph, op, elt: int) -> Entry:
         return [local_shape_dims(values[v].shape, lay.with_(axis, I), values[v].seq_dim)
                 for v, lay in zip(op.inputs, op.in_layouts)]
 
-    fwd, bwd = kind.collectives(op, shapes_on, elt, graph.mesh)
+    # a conversion moves its value in the value's own dtype (fp32 per-token losses, int64 ids)
+    moved = values[op.inputs[0]].elt_bytes(graph.spec.settings.dtype) if kind.converts() else elt
+    fwd, bwd = kind.collectives(op, shapes_on, moved, graph.mesh)
     notes = []
     if kind.converts():
         notes.append(kind.boundary(op).function)

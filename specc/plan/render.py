@@ -54,11 +54,12 @@ def plan_text(plan) -> str:
         lines.append(f"  {kind:<16}{c['count']:>6} x   {human_bytes(c['bytes']):>12}")
     gs = t["grad_sync"]["all_reduce"]
     if gs["count"]:
-        lines.append(f"  tp grad sync    {gs['count']:>6} x   {human_bytes(gs['bytes']):>12}   "
-                     f"(all-reduce of {t['tp_partial_grad_parameters']:,} tp-partial gradient elements, once per step)"
-                     if "cp_partial_grad_parameters" not in t else
-                     f"(all-reduces of {t['tp_partial_grad_parameters']:,} tp-partial and "
-                     f"{t['cp_partial_grad_parameters']:,} cp-partial gradient elements, once per step each)")
+        label = "tp grad sync" if "cp_partial_grad_parameters" not in t else "grad sync"
+        what = (f"(all-reduce of {t['tp_partial_grad_parameters']:,} tp-partial gradient elements, once per step)"
+                if "cp_partial_grad_parameters" not in t else
+                f"(all-reduces of {t['tp_partial_grad_parameters']:,} tp-partial and "
+                f"{t['cp_partial_grad_parameters']:,} cp-partial gradient elements, once per step each)")
+        lines.append(f"  {label:<16}{gs['count']:>6} x   {human_bytes(gs['bytes']):>12}   {what}")
     lines += [
         f"  parameters      {t['parameters']:>14,}   {human_bytes(t['parameter_bytes']):>12}",
         f"  gradients                       {human_bytes(t['gradient_bytes']):>12}   (fp32)",
