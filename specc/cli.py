@@ -24,6 +24,10 @@ def spec_flags(p: argparse.ArgumentParser, sp_default=False) -> None:
                    help="tensor-parallel size (default 1)")
     g.add_argument("--sp", "--sequence-parallel", dest="sp", action="store_true", default=sp_default,
                    help="sequence parallelism in the regions between tensor-parallel GEMMs")
+    g.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1, metavar="N",
+                   help="context-parallel size: the sequence sharded over N ranks in load-balanced chunks (default 1)")
+    g.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("auto", "p2p", "all_gather"), default="auto",
+                   help="attention over the context-parallel group: p2p (ring), all_gather, or auto (the cost model)")
     g.add_argument("--backend", choices=("auto", "native", "te"), default="auto",
                    help="implementation for ops that say impl: auto (default auto: TransformerEngine where installed)")
     g.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="micro-batch size for sizes in the plan")
@@ -43,6 +47,11 @@ def settings_from(args):
         raise SpecError(Loc("--tensor-model-parallel-size"), f"must be at least 1, got {args.tp}")
     if args.micro_batch_size < 1:
         raise SpecError(Loc("--micro-batch-size"), f"must be at least 1, got {args.micro_batch_size}")
+    if args.cp < 1:
+        raise SpecError(Loc("--context-parallel-size"), f"must be at least 1, got {args.cp}")
+    if args.cp_comm_type != "auto" and args.cp == 1:
+        raise SpecError(Loc("--cp-comm-type"), "has no effect without context parallelism",
+                        "add --context-parallel-size N, or drop --cp-comm-type")
     return Settings(tp=args.tp, sp=args.sp and args.tp > 1, backend=args.backend,
                     micro_batch_size=args.micro_batch_size, dtype=args.dtype, fuse=args.fuse, cp=args.cp,
                     cp_comm_type=args.cp_comm_type)
@@ -86,6 +95,10 @@ def command_line(args) -> str:
         parts.append(f"--tp {args.tp}")
     if args.sp and args.tp > 1:
         parts.append("--sp")
+    if getattr(args, "cp", 1) != 1:
+        parts.append(f"--cp {args.cp}")
+    if getattr(args, "cp_comm_type", "auto") != "auto":
+        parts.append(f"--cp-comm-type {args.cp_comm_type}")
     if args.backend != "auto":
         parts.append(f"--backend {args.backend}")
     if args.micro_batch_size != 1:
@@ -113,10 +126,6 @@ def cmd_validate(args) -> int:
             _, graph = compile_args(args)
         except SpecError as e:
             print(e.format(), file=sys.stderr)
-    g.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1, metavar="N",
-                   help="context-parallel size: the sequence sharded over N ranks in load-balanced chunks (default 1)")
-    g.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("auto", "p2p", "all_gather"), default="auto",
-                   help="attention over the context-parallel group: p2p (ring), all_gather, or auto (the cost model)")
             failed += 1
             continue
         print(f"{path}: ok: {summarize(graph)}")
@@ -136,14 +145,6 @@ def cmd_plan(args) -> int:
     _, graph = compile_args(args)
     plan = build_plan(graph)
     sys.stdout.write(plan_json(plan) if args.json else plan_text(plan))
-    if args.sp and args.tp == 1:
-        raise SpecError(Loc("--sequence-parallel"), "needs --tensor-model-parallel-size 2 or more (sequence "
-                        "parallelism shards the sequence over the tensor-parallel ranks)", "add --tp N, or drop --sp")
-    if args.cp < 1:
-        raise SpecError(Loc("--context-parallel-size"), f"must be at least 1, got {args.cp}")
-    if args.cp_comm_type != "auto" and args.cp == 1:
-        raise SpecError(Loc("--cp-comm-type"), "has no effect without context parallelism",
-                        "add --context-parallel-size N, or drop --cp-comm-type")
     return 0
 
 
@@ -190,10 +191,6 @@ def cmd_verify(args) -> int:
     from runtime.verify import VerifyConfig, format_table, verify  # imports torch: only now
 
     cfg = VerifyConfig(spec=args.spec, tps=sorted(set([1] + tps)), sps=sps, steps=args.steps, seed=args.seed,
-    if getattr(args, "cp", 1) != 1:
-        parts.append(f"--cp {args.cp}")
-    if getattr(args, "cp_comm_type", "auto") != "auto":
-        parts.append(f"--cp-comm-type {args.cp_comm_type}")
                        batch=args.batch, overrides=overrides, tolerance=args.tolerance, mutate=args.mutate,
                        tp_invariant_dropout=args.tp_invariant_dropout)
     print(f"specc verify {args.spec}: tp {','.join(map(str, cfg.tps))}, sp {args.sp_mode}, {cfg.steps} steps, "
