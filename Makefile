@@ -25,7 +25,8 @@ demo: $(STAMP)
 		--eval-interval 100 --eval-iters 4 --log-interval 25 --data-path runs/demo/data --run-dir runs/demo
 	$(BIN)/python -m specc plot runs/demo
 
-test: $(STAMP)
+# The linter and `specc check` first (fast; stale generated files fail), then the suite.
+test: lint check
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

@@ -1,4 +1,4 @@
-"""Layout boundaries as autograd functions (see DESIGN.md, "Layouts and boundaries").
+"""Layout boundaries as autograd functions (see docs/architecture.md, "Layouts").
 
 Each wrapper takes the Group explicitly and is the identity when group.size == 1.
 Collectives never run in place on their argument: an autograd input or gradient

@@ -1,7 +1,7 @@
 """`specc verify`: evidence that a compiled plan computes the same function as the unsharded
 model. For each setting (TP size, sequence parallelism) the compiled model runs on gloo ranks
 and is compared with the TP=1 model built from the same seed: the per-token loss at every step,
-the logits, every parameter's gradient gathered to full shape, and the weights after K Adam
+the logits, every parameter's gradient gathered to full shape, and the weights after K SGD
 steps. The collectives the runtime really issued are counted and compared with the plan's.
 """
 
