@@ -83,7 +83,7 @@ def _leaf(g, m, scope, index, e, kind_name, attrs, base_id, attr_name, args, tar
     names = [t if t else f"{(attr_name or kind_name)}_out" for t in targets]
     if len(names) != len(out_shapes):
         names = [f"{attr_name or kind_name}_out{i}" for i in range(len(out_shapes))]
-    dtype = "float32" if kind_name == "cross_entropy" else "act"
+    dtype = kind.out_dtype(attrs)
     seq_dims = kind.out_seq_dims(attrs, [g.values[a].seq_dim for a in args])
     outs = []
     for i, (name, shape) in enumerate(zip(names, out_shapes)):

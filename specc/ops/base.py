@@ -93,6 +93,10 @@ class OpKind:
     def weights(self, attrs: dict) -> list:
         return []
 
+    def out_dtype(self, attrs: dict) -> str:
+        """dtype of the outputs: "act" (the model's activation dtype) unless the op says otherwise."""
+        return "act"
+
     def out_count(self, attrs: dict) -> int:
         return self.n_outputs
 

@@ -21,6 +21,9 @@ class CrossEntropy(OpKind):
         return LayoutRule(allowed=("I", "S(h)"), accepts_reduction=True, joined_inputs=(0,),
                           fixed_inputs=(None, "I"), fixed_outputs=("I",))
 
+    def out_dtype(self, attrs):
+        return "float32"  # per-token losses in fp32, whatever the activations
+
     def rule_cp(self, attrs, ctx):
         return LayoutRule(allowed=("S(s)",))  # per token: logits and labels sharded alike
 
