@@ -1,0 +1,83 @@
+"""Context parallelism in the plan: the sequence sharded outside attention, attention's own K/V
+traffic counted exactly, activation memory per rank divided by CP, cp-partial gradients."""
+
+from __future__ import annotations
+
+import pytest
+
+from specc.errors import SpecError
+from specc.ops import OPS
+from specc.plan import build_plan
+
+
+def _boundaries(graph, axis):
+    return [op for op in graph.iter_ops() if OPS[op.kind].converts() and op.attrs["axis"] == axis]
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny.yaml", "llama-tiny.yaml", "parallel-block-tiny.yaml"])
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True)])
+def test_activation_memory_per_rank_halves_at_cp2(compiled, name, tp, sp):
+    one = build_plan(compiled(name, tp=tp, sp=sp)[1]).totals["activation_bytes"]
+    two = build_plan(compiled(name, tp=tp, sp=sp, cp=2)[1]).totals["activation_bytes"]
+    four = build_plan(compiled(name, tp=tp, sp=sp, cp=4)[1]).totals["activation_bytes"]
+    assert two * 2 == one and four * 4 == one  # everything kept for backward is per token
+
+
+def test_only_inputs_and_outputs_cross_the_cp_axis(compiled):
+    _, g = compiled("gpt-tiny.yaml", tp=2, sp=True, cp=2)
+    conversions = [(op.inputs[0], op.attrs["src"], op.attrs["dst"]) for op in _boundaries(g, "cp")]
+    assert conversions == [("tokens", "I", "S(s)"), ("labels", "I", "S(s)"), ("loss", "S(s)", "I")]
+    for op in g.iter_ops():  # between them every value is sequence-sharded over cp
+        if not OPS[op.kind].converts():
+            assert all(lay["cp"] == "S(s)" for lay in op.in_layouts + op.out_layouts), op.id
+    assert str(g.values[g.outputs[0]].layout) == "I"
+
+
+def test_ring_attention_traffic_is_counted_per_layer(compiled):
+    spec, g = compiled("gpt-tiny.yaml", cp=4, dtype="fp32", micro_batch_size=2)
+    plan = build_plan(g)
+    attn = next(e for e in plan.entries if e.kind == "core_attention")
+    s, b, h = 32, 2, 64  # full sequence, batch, hidden (heads x head_dim: all heads at TP=1)
+    kv_block = 2 * (s // 4) * b * h * 4  # this rank's k and v, fp32
+    assert attn.forward == [("send", kv_block), ("recv", kv_block)] * 3  # N-1 steps
+    assert attn.backward == [("send", kv_block), ("recv", kv_block)] * 7  # K/V again, dK/dV home: 2N-1
+    assert plan.totals["collectives"]["send"] == {"count": 2 * 10, "bytes": 2 * 10 * kv_block}
+    assert any("cp p2p" in n for n in attn.notes)
+
+
+def test_grouped_query_attention_all_gathers_kv_and_pins_win(compiled):
+    _, g = compiled("llama-tiny.yaml", cp=2, dtype="fp32", micro_batch_size=2)
+    attn = next(op for op in g.iter_ops() if op.kind == "core_attention")
+    assert attn.attrs["cp_comm_type_resolved"] == "all_gather"
+    fwd, bwd = OPS["core_attention"].collectives(attn, lambda axis: [(32, 2, 64), (32, 2, 32), (32, 2, 32)], 4, g.mesh)
+    assert [k for k, _ in fwd] == ["all_gather", "all_gather"] and [k for k, _ in bwd] == ["reduce_scatter"] * 2
+    _, pinned = compiled("llama-tiny.yaml", cp=2, cp_comm_type="p2p")
+    attn = next(op for op in pinned.iter_ops() if op.kind == "core_attention")
+    assert (attn.attrs["cp_comm_type_resolved"], attn.attrs["cp_comm_reason"]) == ("p2p", "pinned by --cp-comm-type")
+
+
+def test_every_parameter_gets_a_cp_partial_gradient(compiled):
+    _, g = compiled("llama-tiny.yaml", tp=2, sp=True, cp=2)
+    totals = build_plan(g).totals
+    assert totals["cp_partial_grad_parameters"] == totals["parameters"]
+    assert totals["grad_sync"]["all_reduce"]["count"] == 2  # one all-reduce over tp, one over cp
+
+
+def test_token_ids_carry_no_gradient_traffic(compiled):
+    _, g = compiled("gpt-tiny.yaml", cp=2)
+    plan = build_plan(g)
+    scatter = [e for e in plan.entries if e.name.startswith(("tokens:", "labels:"))]
+    assert len(scatter) == 2 and all(e.forward == [] and e.backward == [] for e in scatter)
+
+
+def test_sequence_must_divide_into_two_chunks_per_rank(compiled):
+    with pytest.raises(SpecError) as e:
+        compiled("gpt-tiny.yaml", cp=3)
+    assert "not divisible by 2 x context-parallel size 3" in e.value.format()
+    assert e.value.loc is not None
+
+
+def test_cp1_plans_match_the_single_axis_text(compiled):
+    """At CP=1 layouts print as before the mesh redesign: one bare placement per value."""
+    _, g = compiled("gpt-tiny.yaml", tp=2, sp=True)
+    assert all("/" not in str(lay) for op in g.iter_ops() for lay in op.in_layouts + op.out_layouts)
