@@ -19,7 +19,8 @@ from .parallel_state import ProcessGroups
 
 
 def compile_source(spec_path: str, tp: int, sp: bool = False, backend: str = "auto", overrides=(),
-                   micro_batch_size: int = 1, dtype: str = "fp32", fuse: bool = True):
+                   micro_batch_size: int = 1, dtype: str = "fp32", fuse: bool = True, cp: int = 1,
+                   cp_comm_type: str = "auto"):
     """(model.py source, spec, graph) for a spec at these settings, compiled in memory."""
     from specc.emit.emitter import emit_model
     from specc.errors import Loc
@@ -27,10 +28,11 @@ def compile_source(spec_path: str, tp: int, sp: bool = False, backend: str = "au
     from specc.pipeline import load_and_compile
 
     settings = Settings(tp=tp, sp=sp and tp > 1, backend=backend, micro_batch_size=micro_batch_size, dtype=dtype,
-                        fuse=fuse)
+                        fuse=fuse, cp=cp, cp_comm_type=cp_comm_type if cp > 1 else "auto")
     located = [(k, v, Loc(f"--set {k}={v}")) for k, v in dict(overrides).items()]
     spec, graph = load_and_compile(spec_path, settings, located)
-    command = f"specc compile {spec_path} --tp {tp}" + (" --sp" if settings.sp else "")
+    command = f"specc compile {spec_path} --tp {tp}" + (" --sp" if settings.sp else "") + (
+        f" --cp {cp}" if cp > 1 else "") + (f" --cp-comm-type {settings.cp_comm_type}" if settings.cp_comm_type != "auto" else "")
     return emit_model(graph, command), spec, graph
 
 
@@ -67,6 +69,7 @@ def build_model(source: str, pg: ProcessGroups | None = None, seed: int = 1234, 
     if os.path.isdir(source):
         module = load_generated(source)
     else:
+        compile_kwargs.setdefault("cp", pg.cp.size)
         text, spec, _ = compile_source(source, pg.tp.size, sp, **compile_kwargs)
         module = load_module_from_source(text, spec.name)
     return module.build_model(pg, seed=seed, rng_tracker=rng_tracker)
