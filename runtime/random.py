@@ -4,6 +4,12 @@ Dropout in a replicated region must draw the same mask on every tensor-parallel
 rank ("default" stream); dropout on sharded values (attention heads) must differ
 per rank ("tensor-parallel" stream). Torch's dropout kernels only read the
 default generator, so fork() swaps a stream's state into it and back out.
+
+Context parallelism: every CP rank holds other tokens of the same samples, so both
+streams also differ per CP rank (`cp_rank`), and the masks of a sequence's chunks are
+independent, as at CP=1. Megatron seeds its streams without the CP rank (its CP ranks drop
+the same positions of their chunks); specc does not copy that. CP rank 0 keeps the seeds of
+a run without CP. Data-parallel ranks share the streams, as in Megatron.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ import torch
 
 # Megatron's offset for the tensor-parallel stream.
 _TP_SEED_OFFSET = 2718
+# Per context-parallel rank, both streams move by this (prime, far above any TP rank + 2718,
+# so no stream of one CP rank has the seed of a stream of another).
+_CP_SEED_OFFSET = 1_000_003
 
 
 class RNGTracker:
@@ -21,15 +30,16 @@ class RNGTracker:
     are instead drawn for the FULL tensor from (seed, call number) and each rank keeps its slice,
     so any TP size drops exactly what TP=1 drops."""
 
-    def __init__(self, seed: int, tp_rank: int, tp_invariant: bool = False):
+    def __init__(self, seed: int, tp_rank: int, tp_invariant: bool = False, cp_rank: int = 0):
         # CUDA kernels read the CUDA generator, so streams carry its state too when
         # CUDA is present; on CPU-only machines a stream is the CPU state alone.
         self.seed, self.tp_invariant, self.calls = seed, tp_invariant, 0
         self._cuda = torch.cuda.is_available()
         self._states: dict[str, dict[str, torch.Tensor]] = {}
         self._active: set[str] = set()
-        self.add("default", seed)
-        self.add("tensor-parallel", seed + _TP_SEED_OFFSET + tp_rank)
+        base = seed + _CP_SEED_OFFSET * cp_rank  # each CP rank's tokens get their own masks
+        self.add("default", base)
+        self.add("tensor-parallel", base + _TP_SEED_OFFSET + tp_rank)
 
     def add(self, name: str, seed: int) -> None:
         if name in self._states:
