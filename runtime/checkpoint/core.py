@@ -484,12 +484,17 @@ def latest_step(directory: str) -> int | None:
     """The step `DIRECTORY/latest` names, or None when nothing was saved there."""
     path = os.path.join(directory, LATEST)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read(4096)
     except FileNotFoundError:
         return None
-    if not text.strip().isdigit():
-        raise CheckpointError(f"{path}: expected a step number, found {text.strip()[:40]!r}")
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, not the file naming the latest step") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not re.fullmatch(r"[0-9]+", text):
+        raise CheckpointError(f"{path}: expected a step number, found {ascii(text[:40])}")
     return int(text)
 
 
@@ -522,13 +527,64 @@ def read_info(path: str) -> dict:
             info = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not a complete checkpoint (no {INFO}; an interrupted save?)") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: {INFO} is a directory, not a checkpoint description") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {INFO} ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: {INFO} is corrupt ({e})") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise CheckpointError(f"{path}: {INFO} is not a specc checkpoint description")
     if info.get("version") != VERSION:
         raise CheckpointError(f"{path}: checkpoint format version {info.get('version')}, this runtime reads {VERSION}")
+    problem = _info_problem(info)
+    if problem:
+        raise CheckpointError(f"{path}: {INFO} is corrupt: {problem}")
     return info
+
+
+def _info_problem(info: dict) -> str | None:
+    """What is missing or mistyped in a checkpoint.json that is valid JSON (None: nothing)."""
+    def count(v, least=0):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+    def shape(v):
+        return isinstance(v, list) and all(count(d) for d in v)
+
+    def text(v):
+        return json.dumps(v)[:40]
+
+    checks = [("step", lambda v: count(v), "a non-negative integer"),
+              ("spec", lambda v: isinstance(v, dict) and all(isinstance(v.get(k), (str, type(None)))
+                                                            for k in ("name", "sha256")),
+               "an object with string 'name' and 'sha256'"),
+              ("layout", lambda v: isinstance(v, dict) and all(count(v.get(k), 1) for k in ("tp", "cp", "dp", "pp")),
+               "an object with positive integers 'tp', 'cp', 'dp', 'pp'"),
+              ("params", lambda v: isinstance(v, dict), "an object of parameters"),
+              ("files", lambda v: isinstance(v, dict), "an object of files"),
+              ("optimizer", lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("sharded", {}), dict)),
+               "null or an object")]
+    for key, ok, what in checks:
+        if key not in info:
+            return f"no '{key}'"
+        if not ok(info[key]):
+            return f"'{key}' must be {what}, found {text(info[key])}"
+    for key in ("scheduler", "data", "rng"):
+        if key in info and not isinstance(info[key], bool):
+            return f"'{key}' must be true or false, found {text(info[key])}"
+    for name, p in info["params"].items():
+        if not isinstance(p, dict) or not shape(p.get("shape")) or not isinstance(p.get("dtype"), str) \
+                or not isinstance(getattr(torch, p["dtype"], None), torch.dtype):
+            return f"parameter {name!r} must have a 'shape' (a list of sizes) and a torch 'dtype', found {text(p)}"
+    for fname, f in info["files"].items():
+        if fname in ("", ".", "..") or "/" in fname or "\\" in fname:
+            return f"file name {fname!r} is not a plain file name"
+        if not isinstance(f, dict) or not count(f.get("bytes")) or not isinstance(f.get("crc32"), str):
+            return f"file {fname!r} must have 'bytes' (an integer) and 'crc32' (a string), found {text(f)}"
+    for key, entry in ((info["optimizer"] or {}).get("sharded", {})).items():
+        if not isinstance(entry, dict) or not shape(entry.get("shape")):
+            return f"optimizer state {key!r} must have a 'shape' (a list of sizes), found {text(entry)}"
+    return None
 
 
 def _verify_files(path: str, info: dict, world: _World, checksums: bool) -> None:

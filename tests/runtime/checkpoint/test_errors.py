@@ -185,3 +185,53 @@ def test_replicated_and_rank_local_values_across_ranks(gloo, tmp_path):
                        f"reshard them)")
     info = json.load(open(os.path.join(directory, "step_0000001", "checkpoint.json")))
     assert info["layout"]["dp"] == 2
+
+
+def test_latest_that_is_a_directory_or_binary(saved):
+    directory, step = saved
+    latest = os.path.join(directory, "latest")
+    with open(latest, "wb") as f:
+        f.write(b"\x00\xff\xfe7\n")
+    assert _fails(directory) == f"{latest}: expected a step number, found '\\x00\\ufffd\\ufffd7'"
+    with open(latest, "w") as f:
+        f.write("\u00b2\n")  # a digit to str.isdigit, not to int()
+    assert _fails(directory) == f"{latest}: expected a step number, found '\\xb2'"
+    os.remove(latest)
+    os.makedirs(latest)
+    assert _fails(directory) == f"{latest}: is a directory, not the file naming the latest step"
+    with pytest.raises(CheckpointError, match="is a directory, not the file naming the latest step"):
+        read_tensors(directory)
+    assert load_checkpoint(step, runtime.build_model(GPT, seed=2))["step"] == 7  # the step itself still loads
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (lambda i: i.pop("params"), "no 'params'"),
+    (lambda i: i.pop("files"), "no 'files'"),
+    (lambda i: i.update(step=-1), "'step' must be a non-negative integer, found -1"),
+    (lambda i: i.update(step=True), "'step' must be a non-negative integer, found true"),
+    (lambda i: i.update(spec="gpt_tiny"), "'spec' must be an object with string 'name' and 'sha256', found \"gpt_tiny\""),
+    (lambda i: i["layout"].pop("dp"), "'layout' must be an object with positive integers 'tp', 'cp', 'dp', 'pp'"),
+    (lambda i: i.update(optimizer=[]), "'optimizer' must be null or an object, found []"),
+    (lambda i: i.update(rng="yes"), "'rng' must be true or false, found \"yes\""),
+    (lambda i: i["params"]["embedding.weight"].update(shape=[256, "64"]), "parameter 'embedding.weight' must have a "
+     "'shape' (a list of sizes) and a torch 'dtype', found {\"shape\": [256, \"64\"]"),
+    (lambda i: i["params"]["embedding.weight"].update(dtype="float99"), "parameter 'embedding.weight' must have a "),
+    (lambda i: i["files"]["__0_0.distcp"].update(bytes="12"), "file '__0_0.distcp' must have 'bytes' (an integer) "
+     "and 'crc32' (a string), found {\"bytes\": \"12\""),
+    (lambda i: i["files"].update({"../step_0000007/.metadata": {"bytes": 1, "crc32": "0"}}),
+     "file name '../step_0000007/.metadata' is not a plain file name"),
+    (lambda i: i["optimizer"]["sharded"].update({"m/x": {"shape": None}}), "optimizer state 'm/x' must have a 'shape' "
+     "(a list of sizes), found {\"shape\": null}"),
+])
+def test_checkpoint_json_that_lacks_or_mistypes_fields(saved, edit, problem):
+    directory, step = saved
+    path = os.path.join(step, "checkpoint.json")
+    info = json.load(open(path))
+    edit(info)
+    with open(path, "w") as f:
+        json.dump(info, f)
+    message = _fails(directory)
+    assert message.startswith(f"{step}: checkpoint.json is corrupt: {problem}"), message
+    with pytest.raises(CheckpointError) as e:
+        read_tensors(directory)
+    assert str(e.value) == message
