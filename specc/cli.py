@@ -9,12 +9,100 @@ import shlex
 import sys
 
 from . import __version__
-from .errors import Loc, SpecError
+from .errors import Loc, SpecError, _one_line
 
 MEGATRON_CONFIG_FLAGS = {  # Megatron's model-size flags, applied as config overrides
     "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
     "seq_length": "--seq-length", "ffn_hidden_size": "--ffn-hidden-size",
 }
+
+
+_GIVEN, _PROG = "_specc_given", "_specc_prog"  # bookkeeping kept on the namespace while parsing
+
+
+class UsageError(SystemExit):
+    """A mistake on the command line (an unknown flag, a bad value, a missing argument): one line
+    `error: WHAT (hint: ...)` and exit code 2, never the whole usage."""
+
+    def __init__(self, prog: str, message: str, hint: str | None = None):
+        super().__init__(2)
+        self.prog, self.message = prog, message
+        self.hint = hint if hint is not None else f"hint: see {prog} --help"
+
+    def format(self) -> str:
+        return _one_line(f"error: {self.message} ({self.hint})")
+
+
+class _Once:
+    """A flag given twice, under any of its names, with different values is an error: the later
+    value would otherwise win silently (`--tp 2 --tensor-model-parallel-size 4`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = self.const if self.nargs == 0 else values
+        given = namespace.__dict__.setdefault(_GIVEN, {})
+        if self.dest in given and given[self.dest][1] != value:
+            first = given[self.dest]
+            raise argparse.ArgumentError(self, f"given twice with different values: {_given_text(*first, self)} "
+                                         f"and {_given_text(option_string, value, self)}")
+        given[self.dest] = (option_string, value)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _given_text(flag, value, action) -> str:
+    return flag if action.nargs == 0 else f"{flag} {value}"
+
+
+class _StoreOnce(_Once, argparse._StoreAction):
+    pass
+
+
+class _StoreConstOnce(_Once, argparse._StoreConstAction):
+    pass
+
+
+class _StoreTrueOnce(_Once, argparse._StoreTrueAction):
+    pass
+
+
+class _StoreFalseOnce(_Once, argparse._StoreFalseAction):
+    pass
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors (UsageError) and conflicting duplicate flags refused. Its
+    subparsers are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name, cls in ((None, _StoreOnce), ("store", _StoreOnce), ("store_const", _StoreConstOnce),
+                          ("store_true", _StoreTrueOnce), ("store_false", _StoreFalseOnce)):
+            self.register("action", name, cls)
+
+    def error(self, message):
+        raise UsageError(self.prog, message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        ns.__dict__.pop(_GIVEN, None)
+        ns.__dict__.setdefault(_PROG, self.prog)  # the innermost (sub)command's name, for hints
+        return ns, extras
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        prog = ns.__dict__.pop(_PROG, self.prog)
+        if extras:
+            from .commands.train import megatron_architecture_hint
+
+            for i, word in enumerate(extras):
+                flag, eq, value = word.partition("=")
+                if not eq and i + 1 < len(extras) and not extras[i + 1].startswith("-"):
+                    value = extras[i + 1]
+                hint = megatron_architecture_hint(flag, value, prog)
+                if hint:
+                    raise UsageError(prog, f"{flag} is a Megatron architecture flag: here the spec holds the "
+                                     f"architecture", hint)
+            raise UsageError(prog, f"unrecognized arguments: {' '.join(extras)}")
+        return ns
 
 
 def spec_flags(p: argparse.ArgumentParser, sp_default=False) -> None:
@@ -47,6 +135,9 @@ def settings_from(args):
         raise SpecError(Loc("--tensor-model-parallel-size"), f"must be at least 1, got {args.tp}")
     if args.micro_batch_size < 1:
         raise SpecError(Loc("--micro-batch-size"), f"must be at least 1, got {args.micro_batch_size}")
+    if args.sp and args.tp == 1:
+        raise SpecError(Loc("--sequence-parallel"), "needs --tensor-model-parallel-size 2 or more (sequence "
+                        "parallelism shards the sequence over the tensor-parallel ranks)", "add --tp N, or drop --sp")
     if args.cp < 1:
         raise SpecError(Loc("--context-parallel-size"), f"must be at least 1, got {args.cp}")
     if args.cp_comm_type != "auto" and args.cp == 1:
@@ -60,7 +151,7 @@ def settings_from(args):
 def overrides_from(args) -> list:
     import yaml
 
-    out = []
+    out, seen = [], {}
     for item in args.overrides:
         loc = Loc(f"--set {item}")
         if "=" not in item:
@@ -77,6 +168,10 @@ def overrides_from(args) -> list:
         value = getattr(args, f"cfg_{key}", None)
         if value is not None:
             out.append((key, value, Loc(f"{flag} {value}")))
+    for key, value, loc in out:  # the same key twice with different values: the later would win silently
+        if key in seen and seen[key][0] != value:
+            raise SpecError(loc, f"'{key}' is also set by {seen[key][1]}, to another value", "give it once")
+        seen.setdefault(key, (value, loc))
     return out
 
 
@@ -170,7 +265,11 @@ def cmd_diff(args) -> int:
 
 def cmd_compile(args) -> int:
     from .emit.write import compile_to_dir
+    from .frontend.load import MAX_NAME
 
+    if args.name is not None and len(args.name) > MAX_NAME:
+        raise SpecError(Loc("--name"), f"the name is {len(args.name)} characters long, at most {MAX_NAME}",
+                        "it names the generated folder")
     spec, graph = compile_args(args)
     out = compile_to_dir(spec, graph, args.output, command_line(args), args.name)
     print(f"wrote {out}/model.py, plan.txt, plan.json, graph.dot", file=sys.stderr)
@@ -220,7 +319,7 @@ def cmd_check(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specc", description="Compile declarative model specs into tensor- and "
+    p = ArgumentParser(prog="specc", description="Compile declarative model specs into tensor- and "
                                 "sequence-parallel PyTorch modules and parallel plans.")
     p.add_argument("--version", action="version", version=f"specc {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -294,10 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(e.format(), file=sys.stderr)
+        return 2
     try:
         return args.func(args)
-    except SpecError as e:
+    except (SpecError, UsageError) as e:  # UsageError: flags parsed inside a command (diff's --a-flags)
         print(e.format(), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -9,11 +9,76 @@ imported when the command runs.
 from __future__ import annotations
 
 import argparse
+import sys
 
-from ..cli import MEGATRON_CONFIG_FLAGS
+from ..cli import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError
 
 LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
                 "rdzv_endpoint", "rdzv_id", "max_restarts")
+
+
+# Megatron's architecture flags: here the architecture is the spec. Each names what the flag
+# selects, a shipped spec (under specs/) that has that structure, and the --set that sets its
+# value there ("{}": the value given, "N" where the flag takes none); a dict picks by value.
+MEGATRON_ARCHITECTURE_FLAGS = {
+    "--swiglu": ("a SwiGLU MLP", "specs/llama.yaml", None),
+    "--squared-relu": None,
+    "--normalization": {"rmsnorm": ("RMSNorm", "specs/llama.yaml", None),
+                        "layernorm": ("LayerNorm", "specs/gpt.yaml", None)},
+    "--num-query-groups": ("grouped-query attention", "specs/llama.yaml", "num_query_groups={}"),
+    "--group-query-attention": ("grouped-query attention", "specs/llama.yaml", "num_query_groups=N"),
+    "--position-embedding-type": {"rope": ("rotary position embeddings", "specs/llama.yaml", "rotary_base=B"),
+                                  "learned_absolute": ("learned absolute position embeddings", "specs/gpt.yaml",
+                                                       "max_position_embeddings=N")},
+    "--use-rotary-position-embeddings": ("rotary position embeddings", "specs/llama.yaml", "rotary_base=B"),
+    "--rotary-base": ("rotary position embeddings", "specs/llama.yaml", "rotary_base={}"),
+    "--max-position-embeddings": ("learned absolute position embeddings", "specs/gpt.yaml",
+                                  "max_position_embeddings={}"),
+    "--untie-embeddings-and-output-weights": ("an output layer with its own weight", "specs/llama.yaml", None),
+    "--disable-bias-linear": ("linear layers without biases", "specs/llama.yaml", None),
+    "--add-qkv-bias": ("a QKV projection with a bias", "specs/gpt.yaml", None),
+    "--kv-channels": ("the attention head size", "SPEC", "head_dim={}"),
+    "--norm-epsilon": ("the RMSNorm epsilon", "specs/llama.yaml", "norm_epsilon={}"),
+    "--layernorm-epsilon": ("the LayerNorm epsilon", "specs/gpt.yaml", "layernorm_epsilon={}"),
+    "--hidden-dropout": ("dropout on the residual stream", "specs/gpt.yaml", "hidden_dropout={}"),
+    "--attention-dropout": ("dropout on the attention probabilities", "specs/gpt.yaml", "attention_dropout={}"),
+    "--init-method-std": ("the initialization's standard deviation", "SPEC", "init_std={}"),
+    "--vocab-size": ("the vocabulary size", "SPEC", "vocab_size={}"),
+    "--padded-vocab-size": ("the vocabulary size", "SPEC", "vocab_size={}"),
+    "--make-vocab-size-divisible-by": ("a padded vocabulary (a multiple of the TP size)", "SPEC", "vocab_size=N"),
+}
+
+
+def megatron_architecture_hint(flag: str, value: str, prog: str) -> str | None:
+    """The hint for a Megatron architecture flag given with `value` ("" when none; None: not one
+    of them)."""
+    if flag not in MEGATRON_ARCHITECTURE_FLAGS:
+        return None
+    entry = MEGATRON_ARCHITECTURE_FLAGS[flag]
+    if isinstance(entry, dict):
+        if value.lower() not in entry:
+            return "hint: " + "; ".join(_where(e, "N", prog) for e in entry.values())
+        entry = entry[value.lower()]
+    if entry is None:
+        shipped = ", ".join(sorted({e[1] for e in _entries() if e[1] != "SPEC"}))
+        return (f"hint: no shipped spec has that structure: write it in a spec (docs/spec-language.md), e.g. "
+                f"starting from {shipped}")
+    return "hint: " + _where(entry, value if value and not value.startswith("-") else "N", prog)
+
+
+def _where(entry, value: str, prog: str) -> str:
+    what, spec, setting = entry
+    command = f"{prog} {spec}" + (f" --set {setting.format(value)}" if setting else "")
+    if spec == "SPEC":
+        return f"{what} is the spec's config value {setting.split('=')[0]}: {command}"
+    return f"{spec} has {what}: {command}"
+
+
+def _entries():
+    for entry in MEGATRON_ARCHITECTURE_FLAGS.values():
+        for e in (entry.values() if isinstance(entry, dict) else [entry]):
+            if e is not None:
+                yield e
 
 
 def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
@@ -97,11 +162,22 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
 
 def build_rank_parser() -> argparse.ArgumentParser:
     """The parser of `python -m runtime.train` (one rank; torchrun launched it)."""
-    p = argparse.ArgumentParser(prog="python -m runtime.train",
-                                description="Train a compiled spec (run under torchrun, one process per rank).")
+    p = _RankParser(prog="python -m runtime.train",
+                    description="Train a compiled spec (run under torchrun, one process per rank).")
     add_train_arguments(p, launcher=False)
     p.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # from `specc train`, already checked
     return p
+
+
+class _RankParser(ArgumentParser):
+    """The rank's parser prints its one-line error itself: no `specc main` around it."""
+
+    def parse_args(self, args=None, namespace=None):
+        try:
+            return super().parse_args(args, namespace)
+        except UsageError as e:
+            print(e.format(), file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 def cmd_train(args) -> int:

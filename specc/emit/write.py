@@ -115,13 +115,38 @@ def _generated_model(path: str) -> bool:
 
 def compile_command_of(model_path: str) -> str:
     """The COMPILE_COMMAND constant of a generated model.py, read without importing it."""
-    with open(model_path) as f:
-        tree = ast.parse(f.read(), model_path)
+    hint = "recompile it with `specc compile`"
+    try:
+        with open(model_path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), model_path)
+    except SyntaxError as e:
+        raise SpecError(Loc(model_path, e.lineno or 0, e.offset or 0), f"not a Python module: {e.msg}", hint) from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise SpecError(Loc(model_path), f"cannot read it as Python source ({getattr(e, 'strerror', None) or e})",
+                        hint) from None
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "COMPILE_COMMAND" for t in node.targets):
             if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
                 return node.value.value
     raise SpecError(Loc(model_path), "no COMPILE_COMMAND in this generated module", "recompile it with `specc compile`")
+
+
+def _recorded_compile(model: str, parser):
+    """The parsed arguments of a model.py's COMPILE_COMMAND, which must be a `specc compile`."""
+    from ..cli import UsageError
+
+    command = compile_command_of(model)
+    hint = "recompile it with `specc compile`"
+    try:
+        words = shlex.split(command)
+    except ValueError as e:
+        raise SpecError(Loc(model), f"COMPILE_COMMAND {command[:60]!r} is not a command line ({e})", hint) from None
+    if words[:2] != ["specc", "compile"] or {"-h", "--help"} & set(words):
+        raise SpecError(Loc(model), f"COMPILE_COMMAND {command[:60]!r} is not a `specc compile` command", hint)
+    try:
+        return parser.parse_args(words[1:])
+    except UsageError as e:
+        raise SpecError(Loc(model), f"COMPILE_COMMAND {command[:60]!r}: {e.message}", hint) from None
 
 
 def check_generated(root: str, out) -> int:
@@ -135,14 +160,13 @@ def check_generated(root: str, out) -> int:
         model = os.path.join(folder, "model.py")
         if name.startswith(".") or not os.path.isfile(model):
             continue
-        words = shlex.split(compile_command_of(model))
-        args = build_parser().parse_args(words[1:])
+        args = _recorded_compile(model, build_parser())
         spec, graph = compile_args(args)
         fresh = render_all(spec, graph, command_line(args))
         checked += 1
         for fname, text in fresh.items():
             path = os.path.join(folder, fname)
-            current = open(path).read() if os.path.exists(path) else ""
+            current = open(path, encoding="utf-8", errors="replace").read() if os.path.isfile(path) else ""
             if current != text:
                 stale += 1
                 out.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True),

@@ -28,6 +28,7 @@ MAX_CONFIG_DEPTH = 64  # config values that refer to config values that refer to
 MAX_MODULE_DEPTH = 32  # modules that contain modules that contain ...
 MAX_OPS = 100_000  # ops after repeats are expanded: a 1000-layer model has about 20,000
 MAX_SIZE = 1 << 40  # no tensor dimension or count is larger
+MAX_NAME = 100  # characters in a spec name: it names files and folders (NAME_tp8_sp/, .NAME.tmp-XXXXXXXX)
 
 
 def load_spec(path: str, settings: Settings = Settings(), overrides: list = ()) -> Spec:
@@ -130,6 +131,9 @@ class _Builder:
                 raise SpecError(raw.loc, f"missing required key '{key}'", _REQUIRED_HINTS[key])
         name = self._str(raw, "name")
         check_identifier(name, raw.value_loc("name"), "spec name")
+        if len(name) > MAX_NAME:
+            raise SpecError(raw.value_loc("name"), f"spec name is {len(name)} characters long, at most {MAX_NAME}",
+                            "it names the generated folder and files; choose a shorter name")
         if not isinstance(self.config_raw, LDict):
             raise SpecError(raw.value_loc("config"), f"'config' must be a mapping, got {_kind(self.config_raw)}")
         for key in self.config_raw:

@@ -75,3 +75,114 @@ def test_schema_lists_every_op(capsys):
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
     assert {f"op_{n}" for n in SPEC_OPS} <= set(schema["$defs"])
+
+
+# -- one line, never a traceback ------------------------------------------------------------------
+
+GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
+
+
+def _one_line(capsys, argv, starts: str) -> str:
+    """main(argv) exits 2 with exactly one stderr line that starts with `starts`; returns it."""
+    assert main([str(a) for a in argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err
+    assert err.count("\n") == 1 and err.endswith("\n"), f"not one line: {err!r}"
+    assert err.startswith(starts), err
+    assert "Traceback" not in err and "usage:" not in err and captured.out == ""
+    return err.rstrip("\n")
+
+
+def test_argument_errors_are_one_line_with_a_hint(capsys):
+    err = _one_line(capsys, ["plan", GPT_TINY, "--tp", "x"], "error: argument --tp/--tensor-model-parallel-size: "
+                    "invalid int value: 'x'")
+    assert err.endswith("(hint: see specc plan --help)")
+    err = _one_line(capsys, ["plan", GPT_TINY, "--bogus", "3"], "error: unrecognized arguments: --bogus 3")
+    assert err.endswith("(hint: see specc plan --help)")  # the command's help, though the top parser saw it
+    _one_line(capsys, ["compile"], "error: the following arguments are required: SPEC (hint: see specc compile --help)")
+    _one_line(capsys, ["plna"], "error: argument COMMAND: invalid choice: 'plna'")
+    _one_line(capsys, ["hf", "export", "x", "--spec", GPT_TINY], "error: the following arguments are required: --out "
+              "(hint: see specc hf export --help)")
+    _one_line(capsys, ["plot", "run", "--nope"], "error: unrecognized arguments: --nope (hint: see specc plot --help)")
+    _one_line(capsys, ["diff", GPT_TINY, GPT_TINY, "--b-flags=--tp x"], "error: argument --tp/--tensor-model-parallel-size: "
+              "invalid int value: 'x' (hint: see specc plan --help)")  # flags parsed inside a command
+
+
+def test_argument_errors_in_a_real_process():
+    result = run("verify", "specs/gpt-tiny.yaml", "--steps", "two")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("error: argument --steps: invalid int value: 'two' (hint: see specc verify --help)\n")
+
+
+def test_conflicting_duplicate_flags_are_reported(capsys):
+    _one_line(capsys, ["plan", GPT_TINY, "--tp", "2", "--tensor-model-parallel-size", "4"],
+              "error: argument --tp/--tensor-model-parallel-size: given twice with different values: --tp 2 and "
+              "--tensor-model-parallel-size 4 (hint: see specc plan --help)")
+    _one_line(capsys, ["plan", GPT_TINY, "--dtype", "fp32", "--dtype", "bf16"], "error: argument --dtype: given twice")
+    _one_line(capsys, ["plan", GPT_TINY, "--set", "num_layers=3", "--set", "num_layers=4"],
+              "--set num_layers=4: error: 'num_layers' is also set by --set num_layers=3, to another value")
+    _one_line(capsys, ["plan", GPT_TINY, "--num-layers", "4", "--set", "num_layers=3"],
+              "--num-layers 4: error: 'num_layers' is also set by --set num_layers=3, to another value")
+    # the same value twice is no conflict
+    assert main(["plan", GPT_TINY, "--tp", "2", "--tensor-model-parallel-size", "2", "--set", "num_layers=3",
+                 "--num-layers", "3"]) == 0
+    assert "layers.*.input_layernorm  x3" in capsys.readouterr().out
+
+
+def test_sequence_parallel_at_tp1_is_reported(capsys):
+    _one_line(capsys, ["plan", GPT_TINY, "--sp"], "--sequence-parallel: error: needs --tensor-model-parallel-size 2 "
+              "or more")
+    _one_line(capsys, ["compile", GPT_TINY, "--sequence-parallel", "--tp", "1", "-o", "/nonexistent/x"],
+              "--sequence-parallel: error: needs")
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["--swiglu"], "(hint: specs/llama.yaml has a SwiGLU MLP: specc plan specs/llama.yaml)"),
+    (["--num-query-groups", "8"], "(hint: specs/llama.yaml has grouped-query attention: specc plan specs/llama.yaml "
+                                  "--set num_query_groups=8)"),
+    (["--normalization=RMSNorm"], "(hint: specs/llama.yaml has RMSNorm: specc plan specs/llama.yaml)"),
+    (["--kv-channels", "16"], "(hint: the attention head size is the spec's config value head_dim: specc plan SPEC "
+                              "--set head_dim=16)"),
+    (["--untie-embeddings-and-output-weights"], "specs/llama.yaml has an output layer with its own weight"),
+])
+def test_megatron_architecture_flags_name_the_spec_and_set(capsys, argv, hint):
+    err = _one_line(capsys, ["plan", GPT_TINY, *argv], f"error: {argv[0].split('=')[0]} is a Megatron architecture "
+                    f"flag: here the spec holds the architecture")
+    assert hint in err
+
+
+def test_graph_output_that_is_a_folder(capsys, tmp_path):
+    _one_line(capsys, ["graph", GPT_TINY, "-o", tmp_path], f"{tmp_path}: error: is a folder, not a file")
+    assert os.listdir(tmp_path) == []
+
+
+def test_spec_name_too_long_for_a_file_name(capsys, tmp_path):
+    from specc.frontend.load import MAX_NAME
+
+    spec = tmp_path / "long.yaml"
+    spec.write_text(f"name: {'n' * (MAX_NAME + 1)}\nextends: {GPT_TINY}\n")
+    _one_line(capsys, ["validate", spec], f"{spec}:1:7: error: spec name is {MAX_NAME + 1} characters long, at most "
+              f"{MAX_NAME}")
+    spec.write_text(f"name: {'n' * MAX_NAME}\nextends: {GPT_TINY}\n")
+    assert main(["validate", str(spec)]) == 0
+    capsys.readouterr()
+    _one_line(capsys, ["compile", GPT_TINY, "-o", tmp_path, "--name", "n" * (MAX_NAME + 1)],
+              f"--name: error: the name is {MAX_NAME + 1} characters long, at most {MAX_NAME}")
+
+
+@pytest.mark.parametrize("model,starts", [
+    ("def broken(:\n", "model.py:1:12: error: not a Python module: invalid syntax"),
+    (b"\xff\xfe\x00", "model.py: error: cannot read it as Python source ("),
+    ('COMPILE_COMMAND = "rm -rf /"\n', "model.py: error: COMPILE_COMMAND 'rm -rf /' is not a `specc compile` command"),
+    ('COMPILE_COMMAND = "specc plan x.yaml"\n', "model.py: error: COMPILE_COMMAND 'specc plan x.yaml' is not a "),
+    ('COMPILE_COMMAND = "specc compile x.yaml --bogus"\n',
+     "model.py: error: COMPILE_COMMAND 'specc compile x.yaml --bogus': unrecognized arguments: --bogus"),
+    ('COMPILE_COMMAND = "specc compile \'x.yaml"\n', "model.py: error: COMPILE_COMMAND \"specc compile 'x.yaml\" is "
+     "not a command line"),
+])
+def test_check_of_a_broken_generated_folder(capsys, tmp_path, model, starts):
+    folder = tmp_path / "generated" / "m"
+    folder.mkdir(parents=True)
+    path = folder / "model.py"
+    path.write_bytes(model if isinstance(model, bytes) else model.encode())
+    _one_line(capsys, ["check", tmp_path / "generated"], f"{path}{starts[len('model.py'):]}")
