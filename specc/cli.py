@@ -277,6 +277,11 @@ def cmd_compile(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    for flag, value, least in (("--steps", args.steps, 1), ("--batch", args.batch, 1)):
+        if value < least:
+            raise SpecError(Loc(f"{flag} {value}"), f"must be at least {least}")
+    if not 0 < args.tolerance < float("inf"):
+        raise SpecError(Loc(f"--tolerance {args.tolerance}"), "must be a positive number")
     tps = _int_list(args.tp_list, "--tp")
     sps = {"on": [True], "off": [False], "both": [False, True]}[args.sp_mode]
     located = overrides_from(args)
@@ -287,14 +292,23 @@ def cmd_verify(args) -> int:
     for tp in tps:  # a bad spec or setting fails here, in one line, before any rank starts
         for sp in sps if tp > 1 else [False]:
             load_and_compile(args.spec, Settings(tp=tp, sp=sp, micro_batch_size=args.batch, dtype="fp32"), located)
-    from runtime.verify import VerifyConfig, format_table, verify  # imports torch: only now
+    from runtime.verify import MUTATIONS, RankFailure, VerifyConfig, format_table, verify  # imports torch: only now
+
+    if args.mutate is not None and args.mutate not in MUTATIONS:
+        from .errors import did_you_mean
+
+        raise SpecError(Loc(f"--mutate {args.mutate}"), "unknown mutation", did_you_mean(args.mutate, MUTATIONS))
 
     cfg = VerifyConfig(spec=args.spec, tps=sorted(set([1] + tps)), sps=sps, steps=args.steps, seed=args.seed,
                        batch=args.batch, overrides=overrides, tolerance=args.tolerance, mutate=args.mutate,
                        tp_invariant_dropout=args.tp_invariant_dropout)
     print(f"specc verify {args.spec}: tp {','.join(map(str, cfg.tps))}, sp {args.sp_mode}, {cfg.steps} steps, "
           f"batch {cfg.batch}, seed {cfg.seed}" + (f", MUTATION {cfg.mutate}" if cfg.mutate else ""), flush=True)
-    rows = verify(cfg)
+    try:
+        rows = verify(cfg)
+    except RankFailure as e:
+        print(_one_line(f"error: specc verify: {e}"), file=sys.stderr)
+        return 2
     sys.stdout.write(format_table(rows))
     failed = [r for r in rows if not r.ok]
     settings = len({r.setting for r in rows})
