@@ -107,7 +107,7 @@ def _logits_module(graph):
                 producer = graph.values[graph.ops[producer].inputs[0]].producer
             src = graph.ops.get(producer)
             if src is not None and src.attr_name:
-                return (f"{src.scope}.{src.attr_name}" if src.scope else src.attr_name), src.out_layouts[0]
+                return (f"{src.scope}.{src.attr_name}" if src.scope else src.attr_name), src.out_layouts[0]["tp"]
     return None, None
 
 
@@ -119,7 +119,7 @@ def _activation_sites(graph) -> list:
             path = f"{op.scope}.{op.attr_name}" if op.scope else op.attr_name
             if path not in seen:
                 seen.add(path)
-                sites.append((path, (op.out_layouts[0], graph.values[op.outputs[0]].segments)))
+                sites.append((path, (op.out_layouts[0]["tp"], graph.values[op.outputs[0]].segments)))
     return sites
 
 
@@ -378,14 +378,13 @@ def verify(cfg: VerifyConfig, timeout_s: float = 600) -> list:
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    errors.append(f"rank {procs.index(dead[0])} exited with code {dead[0].exitcode} before reporting")
+                    errors.append(f"rank process exited with code {dead[0].exitcode} before reporting")
                 elif time.monotonic() > deadline:
                     errors.append(f"timed out after {timeout_s:.0f} s")
                 continue
             reported += 1
-            if not ok:  # the traceback's last line: the exception and its message
-                last = [ln for ln in str(payload).strip().splitlines() if ln.strip()][-1:] or ["no message"]
-                errors.append(f"rank {rank} failed: {last[0].strip()}")
+            if not ok:
+                errors.append(f"rank {rank}:\n{payload}")
             elif rank == 0:
                 rows = payload
     finally:
@@ -394,12 +393,8 @@ def verify(cfg: VerifyConfig, timeout_s: float = 600) -> list:
             if p.is_alive():
                 p.kill()
     if errors:
-        raise RankFailure(errors[0])
+        raise RuntimeError("verify failed on a rank:\n" + "\n".join(errors))
     return rows
-
-
-class RankFailure(RuntimeError):
-    """A rank failed (or died, or timed out) inside verify: one line naming the rank and the error."""
 
 
 def format_table(rows: list) -> str:

@@ -66,6 +66,17 @@ class IndexedTokens:
             raise DataError(f"{directory}: {TOKENS} and {DOCUMENTS} disagree with {META} (prepare it again)")
         self.tokens = np.memmap(tokens_path, dtype=self.dtype, mode="r", shape=(n,)) if n else np.zeros(0, self.dtype)
 
+    def first_token_outside(self, vocab_size: int, chunk: int = 1 << 24):
+        """(position, id) of the first token id not in [0, vocab_size), or None: read in chunks,
+        so that a dataset of any size is checked at load and not found out mid-run."""
+        for start in range(0, self.num_tokens, chunk):
+            block = self.tokens[start:start + chunk]
+            if int(block.max()) < vocab_size and int(block.min()) >= 0:
+                continue
+            i = int(np.flatnonzero((block >= vocab_size) | (block < 0))[0])
+            return start + i, int(block[i])
+        return None
+
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)

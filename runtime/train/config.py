@@ -8,6 +8,7 @@ launcher can print them all and exit before torchrun starts a single process.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 DECAY_STYLES = ("constant", "linear", "cosine")
@@ -106,6 +107,9 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"--context-parallel-size {par.cp}: context parallelism is not implemented (use 1)")
     if par.pp > 1:
         errors.append(f"--pipeline-model-parallel-size {par.pp}: pipeline parallelism is not implemented (use 1)")
+    if par.sp and par.tp == 1:
+        errors.append("--sequence-parallel needs --tensor-model-parallel-size 2 or more (sequence parallelism shards "
+                      "the sequence over the tensor-parallel ranks; add --tp N, or drop --sp)")
     if world_size < 1:
         errors.append(f"world size must be at least 1, got {world_size}")
     model_parallel = max(par.tp, 1) * max(par.cp, 1) * max(par.pp, 1)
@@ -141,18 +145,24 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
     elif cfg.checkpoint.keep_last is not None and cfg.checkpoint.save is None:
         errors.append("--keep-last needs --save DIR")
     opt = cfg.optimizer
-    if opt.lr <= 0:
-        errors.append(f"--lr must be positive, got {opt.lr}")
-    elif opt.min_lr < 0 or opt.min_lr > opt.lr:
-        errors.append(f"--min-lr must be between 0 and --lr ({opt.lr}), got {opt.min_lr}")
-    if opt.clip_grad < 0:
-        errors.append(f"--clip-grad must be at least 0 (0 disables clipping), got {opt.clip_grad}")
-    if opt.weight_decay < 0:
-        errors.append(f"--weight-decay must be at least 0, got {opt.weight_decay}")
-    if not (0 <= opt.adam_beta1 < 1 and 0 <= opt.adam_beta2 < 1):
-        errors.append(f"--adam-beta1/--adam-beta2 must be in [0, 1), got {opt.adam_beta1}, {opt.adam_beta2}")
-    if opt.adam_eps <= 0:
-        errors.append(f"--adam-eps must be positive, got {opt.adam_eps}")
+    numbers = (("--lr", opt.lr), ("--min-lr", opt.min_lr), ("--weight-decay", opt.weight_decay),
+               ("--adam-beta1", opt.adam_beta1), ("--adam-beta2", opt.adam_beta2), ("--adam-eps", opt.adam_eps),
+               ("--clip-grad", opt.clip_grad))
+    infinite = [f"{flag} must be a finite number, got {value}" for flag, value in numbers if not math.isfinite(value)]
+    errors += infinite
+    if not infinite:  # the ranges, once every value is a number
+        if opt.lr <= 0:
+            errors.append(f"--lr must be positive, got {opt.lr}")
+        elif opt.min_lr < 0 or opt.min_lr > opt.lr:
+            errors.append(f"--min-lr must be between 0 and --lr ({opt.lr}), got {opt.min_lr}")
+        if opt.clip_grad < 0:
+            errors.append(f"--clip-grad must be at least 0 (0 disables clipping), got {opt.clip_grad}")
+        if opt.weight_decay < 0:
+            errors.append(f"--weight-decay must be at least 0, got {opt.weight_decay}")
+        if not (0 <= opt.adam_beta1 < 1 and 0 <= opt.adam_beta2 < 1):
+            errors.append(f"--adam-beta1/--adam-beta2 must be in [0, 1), got {opt.adam_beta1}, {opt.adam_beta2}")
+        if opt.adam_eps <= 0:
+            errors.append(f"--adam-eps must be positive, got {opt.adam_eps}")
     if opt.bucket_size < 1:
         errors.append(f"--ddp-bucket-size must be at least 1, got {opt.bucket_size}")
     sched = cfg.schedule

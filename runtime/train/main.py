@@ -90,9 +90,66 @@ def check(cfg: TrainConfig, world_size: int):
         errors += data_rules(cfg, spec.config)
     if cfg.checkpoint.load is not None and not os.path.isdir(cfg.checkpoint.load):
         errors.append(f"--load {cfg.checkpoint.load}: no such directory")
+    elif cfg.checkpoint.load is not None:
+        errors += _checkpoint_rules(cfg.checkpoint.load)
+    errors += output_rules(cfg)
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            errors.append(f"--device cuda: CUDA is not available here (torch {torch.__version__}"
+                          + (", built without CUDA" if torch.version.cuda is None else ", no GPU found")
+                          + "); use --device cpu or auto")
     if errors:
         raise ConfigError(errors)
     return spec
+
+
+def output_rules(cfg: TrainConfig) -> list:
+    """--save and --run-dir name folders: each must be one, or be creatable."""
+    from ..checkpoint import CheckpointError, latest_step
+
+    errors = []
+    for flag, path in (("--save", cfg.checkpoint.save), ("--run-dir", cfg.logging.run_dir)):
+        if path is None:
+            continue
+        problem = _folder_problem(path)
+        if problem:
+            errors.append(f"{flag} {path}: {problem}")
+        elif flag == "--save" and os.path.isdir(path):
+            try:
+                latest_step(path)  # a restart resumes from it, and the next save replaces it
+            except CheckpointError as e:
+                errors.append(f"--save {path}: {e}")
+    return errors
+
+
+def _folder_problem(path: str) -> str | None:
+    full = os.path.abspath(path)
+    if os.path.lexists(full):
+        return None if os.path.isdir(full) else "exists and is not a directory"
+    parent = os.path.dirname(full)
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be created: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created: {parent} is not writable"
+    return None
+
+
+def _checkpoint_rules(load: str) -> list:
+    """--load: the checkpoint it names must be readable (its `latest` and checkpoint.json)."""
+    from ..checkpoint import CheckpointError, read_info
+    from ..checkpoint import resolve as checkpoint_path
+
+    try:
+        read_info(checkpoint_path(load))
+    except CheckpointError as e:
+        return [f"--load {load}: {e}"]
+    return []
+
+
 
 
 def data_rules(cfg: TrainConfig, model_config: dict) -> list:
@@ -102,6 +159,14 @@ def data_rules(cfg: TrainConfig, model_config: dict) -> list:
     if isinstance(vocab, int) and data.vocab_size > vocab:
         errors.append(f"--data-path {cfg.data.data_path}: its tokenizer's vocabulary ({data.vocab_size}) is larger "
                       f"than the model's vocab_size ({vocab}); set --set vocab_size={data.vocab_size} or more")
+    if isinstance(vocab, int) and not errors:  # the ids themselves: an id past the vocabulary fails mid-run
+        bad = data.first_token_outside(vocab)
+        if bad is not None:
+            position, token = bad
+            top = int(data.tokens.max())
+            errors.append(f"--data-path {cfg.data.data_path}: token id {token} at position {position} is outside the "
+                          f"model's vocabulary (0..{vocab - 1}); prepare the data with the model's tokenizer, or "
+                          f"--set vocab_size={top + 1} or more (its largest id is {top})")
     seq = model_config["seq_length"]
     sets = build_datasets(cfg.data.data_path, seq, cfg.seed, split_weights(cfg.data.split))
     needed = {"train": 1, "valid": 1 if cfg.eval_iters > 0 else 0}
@@ -151,6 +216,9 @@ def launch(args) -> int:
                                f"{args.nnodes}"])
         if args.max_restarts < 0:
             raise ConfigError([f"--max-restarts must be at least 0, got {args.max_restarts}"])
+        launch_errors = _launch_rules(args)
+        if launch_errors:
+            raise ConfigError(launch_errors)
         world = args.nproc_per_node * args.nnodes
         check(cfg, world)
         if cfg.data.data_path is None:
@@ -188,6 +256,26 @@ def launch(args) -> int:
         return subprocess.call(cmd, env=env)
     except KeyboardInterrupt:
         return 130
+
+
+def _launch_rules(args) -> list:
+    """torchrun's flags, checked here rather than in torchrun's traceback."""
+    errors = []
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        errors.append(f"--master-port {args.master_port}: a port is between 1 and 65535")
+    if args.rdzv_endpoint is not None:
+        host, sep, port = args.rdzv_endpoint.rpartition(":")
+        if sep and (not port.isdigit() or not 1 <= int(port) <= 65535):
+            errors.append(f"--rdzv-endpoint {args.rdzv_endpoint}: expected HOST:PORT with a port between 1 and 65535")
+    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
+        errors.append(f"--node-rank {args.node_rank}: must be between 0 and --nnodes - 1 ({args.nnodes - 1})")
+    import torch
+
+    if args.device in ("cuda", "auto") and torch.cuda.is_available() and \
+            args.nproc_per_node > torch.cuda.device_count():
+        errors.append(f"--nproc-per-node {args.nproc_per_node}: this node has {torch.cuda.device_count()} GPU(s), "
+                      f"one per rank (use --device cpu for more ranks than GPUs)")
+    return errors
 
 
 # -- one rank ------------------------------------------------------------------------------------------

@@ -1,0 +1,161 @@
+"""`specc train` and `specc hf export` mistakes that used to print a traceback (or train and then
+die): each is one `error:` line and exit 2, found before any rank starts and before anything is
+written."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from runtime.data import prepare, stdlib_files
+
+    out = str(tmp_path_factory.mktemp("errors") / "corpus")
+    prepare(stdlib_files(limit=2), "byte", out)
+    return out
+
+
+def _one_line(result, starts: str) -> str:
+    code, out, err = result
+    assert code == 2, out + err
+    assert err.count("\n") == 1 and err.endswith("\n"), f"not one line: {err!r}"
+    assert err.startswith(starts), err
+    assert "Traceback" not in err and "usage:" not in err
+    return err.rstrip("\n")
+
+
+@pytest.fixture
+def train(specc, corpus, tmp_path):
+    """specc train gpt-tiny with a run directory that must never appear."""
+    run_dir = tmp_path / "never"
+
+    def run(*argv, data=corpus):
+        result = specc("train", GPT_TINY, "--data-path", data, "--train-iters", "1", "--eval-iters", "0",
+                       "--no-progress", *argv, *(() if "--run-dir" in argv else ("--run-dir", run_dir)))
+        assert not run_dir.exists(), "a run started"
+        return result
+
+    return run
+
+
+def test_save_and_run_dir_that_are_files(train, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("mine\n")
+    _one_line(train("--save", afile), f"error: --save {afile}: exists and is not a directory")
+    _one_line(train("--run-dir", afile), f"error: --run-dir {afile}: exists and is not a directory")
+    _one_line(train("--save", afile / "ckpt"), f"error: --save {afile / 'ckpt'}: cannot be created: {afile} is not "
+              "a directory")
+    assert afile.read_text() == "mine\n"
+
+
+def test_device_cuda_without_cuda(train, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _one_line(train("--device", "cuda"), "error: --device cuda: CUDA is not available here (torch ")
+
+
+def test_master_port_out_of_range(train):
+    _one_line(train("--nproc-per-node", "2", "--master-port", "99999"),
+              "error: --master-port 99999: a port is between 1 and 65535")
+    _one_line(train("--nproc-per-node", "2", "--rdzv-endpoint", "localhost:70000"),
+              "error: --rdzv-endpoint localhost:70000: expected HOST:PORT")
+
+
+@pytest.mark.parametrize("flag,value", [("--lr", "nan"), ("--lr", "inf"), ("--weight-decay", "nan"),
+                                        ("--adam-eps", "-inf"), ("--clip-grad", "nan")])
+def test_numbers_that_are_not_finite(train, flag, value):
+    _one_line(train(f"{flag}={value}"), f"error: {flag} must be a finite number, got {float(value)}")
+
+
+def test_token_ids_outside_the_vocabulary_are_found_at_load(train, corpus, tmp_path):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    meta = json.loads((data / "dataset.json").read_text())
+    meta["vocab_size"] = 100  # what its tokenizer claims; the ids say otherwise
+    (data / "dataset.json").write_text(json.dumps(meta))
+    tokens = (data / "tokens.bin").read_bytes()
+    first = next(i for i, b in enumerate(tokens) if b >= 100)
+    err = _one_line(train("--set", "vocab_size=100", data=data),
+                    f"error: --data-path {data}: token id {tokens[first]} at position {first} is outside the model's "
+                    f"vocabulary (0..99)")
+    assert err.endswith(f"--set vocab_size={max(tokens) + 1} or more (its largest id is {max(tokens)})")
+
+
+def test_sequence_parallel_at_tp1(train):
+    _one_line(train("--sequence-parallel"), "error: --sequence-parallel needs --tensor-model-parallel-size 2 or more")
+
+
+def test_conflicting_duplicate_flags(train):
+    _one_line(train("--tp", "2", "--tensor-model-parallel-size", "4"),
+              "error: argument --tensor-model-parallel-size/--tp: given twice with different values: --tp 2 and "
+              "--tensor-model-parallel-size 4 (hint: see specc train --help)")
+    _one_line(train("--progress"), "error: argument --progress: given twice with different values: --no-progress "
+              "and --progress")  # the fixture gives --no-progress
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["--swiglu"], "(hint: specs/llama.yaml has a SwiGLU MLP: specc train specs/llama.yaml)"),
+    (["--group-query-attention", "--num-query-groups", "4"], "(hint: specs/llama.yaml has grouped-query attention: "
+                                                            "specc train specs/llama.yaml --set num_query_groups=N)"),
+    (["--normalization", "LayerNorm"], "(hint: specs/gpt.yaml has LayerNorm: specc train specs/gpt.yaml)"),
+    (["--position-embedding-type", "rope"], "(hint: specs/llama.yaml has rotary position embeddings: specc train "
+                                            "specs/llama.yaml --set rotary_base=B)"),
+    (["--disable-bias-linear"], "(hint: specs/llama.yaml has linear layers without biases: specc train "
+                                "specs/llama.yaml)"),
+])
+def test_megatron_architecture_flags(train, argv, hint):
+    err = _one_line(train(*argv), f"error: {argv[0]} is a Megatron architecture flag: here the spec holds the "
+                    "architecture")
+    assert err.endswith(hint)
+
+
+def _checkpoint(root, info=None, latest="1\n"):
+    """A save directory whose latest is `latest` (bytes, str, or None: a directory) and whose
+    step_0000001/checkpoint.json is `info`."""
+    os.makedirs(root / "step_0000001")
+    if latest is None:
+        os.makedirs(root / "latest")
+    else:
+        (root / "latest").write_bytes(latest if isinstance(latest, bytes) else latest.encode())
+    if info is not None:
+        (root / "step_0000001" / "checkpoint.json").write_text(json.dumps(info))
+    return root
+
+
+INFO = {"format": "specc-checkpoint", "version": 1, "step": 1, "spec": {"name": "gpt_tiny", "sha256": None},
+        "layout": {"tp": 1, "cp": 1, "dp": 1, "pp": 1, "world_size": 1},
+        "params": {"embedding.weight": {"shape": [256, 64], "dtype": "float32"}}, "optimizer": None,
+        "scheduler": False, "data": False, "rng": False, "files": {}}
+
+
+@pytest.mark.parametrize("latest,info,what", [
+    (None, None, "latest: is a directory, not the file naming the latest step"),
+    (b"\x00\xff\x13\n", None, "latest: expected a step number, found '\\x00"),
+    ("1\n", {k: v for k, v in INFO.items() if k != "params"}, "step_0000001: checkpoint.json is corrupt: no 'params'"),
+    ("1\n", {**INFO, "step": "1"}, "step_0000001: checkpoint.json is corrupt: 'step' must be a non-negative integer, "
+     "found \"1\""),
+    ("1\n", {**INFO, "layout": [1, 1]}, "step_0000001: checkpoint.json is corrupt: 'layout' must be an object"),
+    ("1\n", {**INFO, "params": {"w": {"shape": "256", "dtype": "float32"}}},
+     "step_0000001: checkpoint.json is corrupt: parameter 'w' must have a 'shape'"),
+    ("1\n", {**INFO, "files": {"../../x": {"bytes": 1, "crc32": "0"}}},
+     "step_0000001: checkpoint.json is corrupt: file name '../../x' is not a plain file name"),
+])
+def test_broken_checkpoints_for_load_and_hf_export(train, specc, tmp_path, latest, info, what):
+    ckpt = _checkpoint(tmp_path / "ckpt", info, latest)
+    _one_line(train("--load", ckpt), f"error: --load {ckpt}: {ckpt}/{what}")
+    out = tmp_path / "hf"
+    where, _, rest = what.partition(": ")
+    _one_line(specc("hf", "export", ckpt, "--spec", GPT_TINY, "--out", out), f"{ckpt}/{where}: error: {rest}")
+    assert not out.exists()
+    if latest is None:  # and as the place to save into: a save would fail after training
+        _one_line(train("--save", ckpt), f"error: --save {ckpt}: {ckpt}/{what}")
