@@ -3,6 +3,7 @@ model. For each setting (TP size, sequence parallelism) the compiled model runs 
 and is compared with the TP=1 model built from the same seed: the per-token loss at every step,
 the logits, every parameter's gradient gathered to full shape, and the weights after K SGD
 steps. The collectives the runtime really issued are counted and compared with the plan's.
+The model's inputs are drawn as the spec declares them (names, shapes, dtypes).
 """
 
 from __future__ import annotations
@@ -79,23 +80,53 @@ def mutate_source(source: str, mutation: str):
 
 # -- one process -----------------------------------------------------------------------------------
 
-def _data(cfg: VerifyConfig, seq: int, vocab: int, step: int):
+_TORCH_DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32, "act": torch.float32}
+
+
+def _data(cfg: VerifyConfig, inputs: list, step: int) -> list:
+    """One batch: a tensor per declared model input, in the forward's order."""
     g = torch.Generator().manual_seed(cfg.seed * 1000 + step)
-    tokens = torch.randint(0, vocab, (cfg.batch, seq), generator=g)
-    labels = torch.randint(0, vocab, (cfg.batch, seq), generator=g)
-    return tokens, labels
+    out = []
+    for _name, shape, dtype, high in inputs:
+        if high is None:
+            out.append(torch.randn(shape, generator=g).to(dtype))
+        else:
+            out.append(torch.randint(0, high, shape, generator=g).to(dtype))
+    return out
 
 
-def _model_inputs(spec):
-    seq = spec.inputs[0].shape[1]
-    vocab = next(op.attrs["num_embeddings"] for op in _graph_ops(spec) if op.kind == "embedding")
-    return seq, vocab
+def _model_inputs(spec, graph) -> list:
+    """(name, shape, torch dtype, high) of every input the spec declares, in the root module's order.
+    Integer inputs are drawn below `high`, the smallest range an op that indexes with them accepts:
+    an embedding's rows, the cross-entropy's vocabulary (its logits' last dim) for its labels. An
+    integer input no op indexes with (read for its shape, like positions) is drawn below its last
+    dim. Float inputs are drawn from a standard normal (verify runs in fp32)."""
+    out = []
+    for inp, value_id in zip(spec.inputs, graph.inputs):
+        dtype = _TORCH_DTYPES[graph.values[value_id].dtype]
+        high = None
+        if not dtype.is_floating_point:
+            bounds = _index_bounds(graph, value_id)
+            high = min(bounds) if bounds else inp.shape[-1]
+        out.append((inp.name, tuple(inp.shape), dtype, high))
+    return out
 
 
-def _graph_ops(spec):
-    from specc.pipeline import compile_graph
-
-    return list(compile_graph(spec).iter_ops())
+def _index_bounds(graph, value_id: str) -> list:
+    bounds, todo, seen = [], [value_id], set()
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for op in graph.users(v):
+            if op.kind == "boundary":  # a layout conversion: the same ids
+                todo += op.outputs
+            elif op.kind == "embedding":
+                bounds.append(op.attrs["num_embeddings"])
+            elif op.kind == "cross_entropy" and op.inputs[1] == v:
+                bounds.append(graph.values[op.inputs[0]].shape[-1])
+    return bounds
 
 
 def _logits_module(graph):
@@ -160,7 +191,7 @@ def _capture(model, sites):
     return store, handles
 
 
-def _run(model, pg, cfg, seq, vocab, logits_path, logits_layout, sites):
+def _run(model, pg, cfg, inputs, logits_path, logits_layout, sites):
     """K training steps; what to compare, as full tensors on every rank."""
     captured = {}
     if logits_path:
@@ -172,10 +203,10 @@ def _run(model, pg, cfg, seq, vocab, logits_path, logits_layout, sites):
     losses, grads, counts = [], None, None
     activations = {}
     for step in range(cfg.steps):
-        tokens, labels = _data(cfg, seq, vocab, step)
+        batch = _data(cfg, inputs, step)
         store, handles = _capture(model, sites) if step == 0 else ({}, [])
         with CommCounter() as counter:
-            loss = model(tokens, labels)
+            loss = model(*batch)
             for h in handles:
                 h.remove()
             loss.mean().backward()
@@ -260,11 +291,11 @@ def _has_dropout(graph) -> bool:
                for op in graph.iter_ops())
 
 
-def _mask_losses(model, cfg, seq, vocab) -> torch.Tensor:
+def _mask_losses(model, cfg, inputs) -> torch.Tensor:
     """Per-token losses [draws, b, s] of one batch under `mask_draws` independent dropout masks."""
-    tokens, labels = _data(cfg, seq, vocab, 0)
+    batch = _data(cfg, inputs, 0)
     with torch.no_grad():
-        return torch.stack([model(tokens, labels) for _ in range(cfg.mask_draws)])
+        return torch.stack([model(*batch) for _ in range(cfg.mask_draws)])
 
 
 def _statistical_row(setting: str, ref: torch.Tensor, got: torch.Tensor) -> Row:
@@ -306,7 +337,7 @@ def _rank_main(rank: int, world: int, port: int, cfg: VerifyConfig, results) -> 
 
 def _verify_all(rank: int, cfg: VerifyConfig) -> list:
     src, spec, graph = api.compile_source(cfg.spec, 1, False, overrides=cfg.overrides, micro_batch_size=cfg.batch)
-    seq, vocab = _model_inputs(spec)
+    inputs = _model_inputs(spec, graph)
     path, layout = _logits_module(graph)
     single = ProcessGroups.single()
     statistical = _has_dropout(graph) and not cfg.tp_invariant_dropout
@@ -316,8 +347,8 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
         return api.load_module_from_source(source, name).build_model(pg, seed=cfg.seed, rng_tracker=tracker)
 
     ref_model = build(src, spec.name, single)
-    ref = _mask_losses(ref_model, cfg, seq, vocab) if statistical else \
-        _run(ref_model, single, cfg, seq, vocab, path, layout, _activation_sites(graph))
+    ref = _mask_losses(ref_model, cfg, inputs) if statistical else \
+        _run(ref_model, single, cfg, inputs, path, layout, _activation_sites(graph))
     rows = []
     for tp in cfg.tps:
         for sp in (cfg.sps if tp > 1 else [False]):
@@ -333,10 +364,10 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
                         continue
                 model = build(text, spec_t.name, pg)
                 if statistical:
-                    rows.append(_statistical_row(setting, ref, _mask_losses(model, cfg, seq, vocab)))
+                    rows.append(_statistical_row(setting, ref, _mask_losses(model, cfg, inputs)))
                     continue
                 path_t, layout_t = _logits_module(graph_t)
-                got = _run(model, pg, cfg, seq, vocab, path_t, layout_t, _activation_sites(graph_t))
+                got = _run(model, pg, cfg, inputs, path_t, layout_t, _activation_sites(graph_t))
                 rows += _compare(setting, ref, got, cfg.tolerance, cfg.atol)
                 plan = _plan_counts(graph_t)
                 measured = dict(sorted(got["counts"].items()))

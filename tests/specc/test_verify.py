@@ -55,6 +55,52 @@ def test_parallel_block_with_biases_added_on_one_rank():
     assert result.stdout.strip().splitlines()[-1] == "18 passed, 0 failed (3 settings)"
 
 
+MODEL_WITH_OTHER_INPUTS = """\
+# Not (tokens, labels): the labels come first, positions are an input of their own, and the
+# logits cover fewer classes (96) than the embedding has rows (128).
+name: other_inputs
+description: a per-token classifier with its own inputs
+config:
+  vocab_size: 128
+  num_classes: 96
+  hidden_size: 32
+  seq_length: 16
+model:
+  module: Net
+  inputs:
+    targets: {shape: [micro_batch_size, seq_length], dtype: int64}
+    ids: {shape: [micro_batch_size, seq_length], dtype: int64}
+    positions: {shape: [micro_batch_size, seq_length], dtype: int64}
+modules:
+  Net:
+    inputs: [targets, ids, positions]
+    submodules:
+      embedding: {op: embedding, num_embeddings: "${vocab_size}", embedding_dim: "${hidden_size}"}
+      position_embedding: {op: position_embedding, num_embeddings: "${seq_length}", embedding_dim: "${hidden_size}"}
+      norm: {op: layernorm, hidden_size: "${hidden_size}"}
+      fc1: {op: linear, parallel: column, in_features: "${hidden_size}", out_features: "${4 * hidden_size}"}
+      act: {op: gelu}
+      fc2: {op: linear, parallel: row, in_features: "${4 * hidden_size}", out_features: "${hidden_size}"}
+      final_norm: {op: layernorm, hidden_size: "${hidden_size}"}
+      head: {op: linear, parallel: column, in_features: "${hidden_size}", out_features: "${num_classes}", bias: false}
+      loss: {op: cross_entropy}
+    forward:
+      - h = embedding(ids) + position_embedding(positions)
+      - h = h + fc2(act(fc1(norm(h))))
+      - logits = head(final_norm(h))
+      - per_token_loss = loss(logits, targets)
+      - return per_token_loss
+"""
+
+
+def test_a_model_whose_inputs_are_not_tokens_and_labels_verifies(tmp_path):
+    spec = tmp_path / "other-inputs.yaml"
+    spec.write_text(MODEL_WITH_OTHER_INPUTS)
+    result = verify(str(spec), "--tp", "2", "--sp", "both")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().splitlines()[-1].endswith(" passed, 0 failed (3 settings)"), result.stdout
+
+
 def test_bad_spec_fails_before_starting_ranks():
     result = verify("specs/gpt-tiny.yaml", "--tp", "3")
     assert result.returncode == 2
