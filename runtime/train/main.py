@@ -150,8 +150,6 @@ def _checkpoint_rules(load: str) -> list:
     return []
 
 
-
-
 def data_rules(cfg: TrainConfig, model_config: dict) -> list:
     data = IndexedTokens(cfg.data.data_path)
     errors = []
