@@ -409,13 +409,14 @@ def verify(cfg: VerifyConfig, timeout_s: float = 600) -> list:
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    errors.append(f"rank process exited with code {dead[0].exitcode} before reporting")
+                    errors.append(f"rank {procs.index(dead[0])} exited with code {dead[0].exitcode} before reporting")
                 elif time.monotonic() > deadline:
                     errors.append(f"timed out after {timeout_s:.0f} s")
                 continue
             reported += 1
-            if not ok:
-                errors.append(f"rank {rank}:\n{payload}")
+            if not ok:  # the traceback's last line: the exception and its message
+                last = [ln for ln in str(payload).strip().splitlines() if ln.strip()][-1:] or ["no message"]
+                errors.append(f"rank {rank} failed: {last[0].strip()}")
             elif rank == 0:
                 rows = payload
     finally:
@@ -424,8 +425,12 @@ def verify(cfg: VerifyConfig, timeout_s: float = 600) -> list:
             if p.is_alive():
                 p.kill()
     if errors:
-        raise RuntimeError("verify failed on a rank:\n" + "\n".join(errors))
+        raise RankFailure(errors[0])
     return rows
+
+
+class RankFailure(RuntimeError):
+    """A rank failed (or died, or timed out) inside verify: one line naming the rank and the error."""
 
 
 def format_table(rows: list) -> str:
