@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 DECAY_STYLES = ("constant", "linear", "cosine")
+CP_COMM_TYPES = ("auto", "p2p", "all_gather")
 
 
 @dataclass
@@ -19,6 +20,7 @@ class ParallelConfig:
     tp: int = 1
     sp: bool = False
     cp: int = 1
+    cp_comm_type: str = "auto"  # attention over the CP group: auto (the cost model), p2p (ring), all_gather
     pp: int = 1
     dp: int = 1  # derived from the world size by `resolve`
 
@@ -103,8 +105,11 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
                               ("pp", "--pipeline-model-parallel-size", par.pp)):
         if value < 1:
             errors.append(f"{flag} must be at least 1, got {value}")
-    if par.cp > 1:
-        errors.append(f"--context-parallel-size {par.cp}: context parallelism is not implemented (use 1)")
+    if par.cp_comm_type not in CP_COMM_TYPES:
+        errors.append(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {par.cp_comm_type!r}")
+    elif par.cp_comm_type != "auto" and par.cp == 1:
+        errors.append("--cp-comm-type has no effect without context parallelism (add --context-parallel-size N, "
+                      "or drop --cp-comm-type)")
     if par.pp > 1:
         errors.append(f"--pipeline-model-parallel-size {par.pp}: pipeline parallelism is not implemented (use 1)")
     if par.sp and par.tp == 1:

@@ -40,7 +40,7 @@ def config_from_args(args) -> TrainConfig:
     return TrainConfig(
         spec=args.spec,
         overrides=overrides,
-        parallel=ParallelConfig(tp=args.tp, sp=args.sp, cp=args.cp, pp=args.pp),
+        parallel=ParallelConfig(tp=args.tp, sp=args.sp, cp=args.cp, cp_comm_type=args.cp_comm_type, pp=args.pp),
         optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                                   clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,

@@ -68,7 +68,8 @@ def compile_model(cfg: TrainConfig):
     """(generated source, spec) for the configured spec at the configured parallel settings."""
     source, spec, _ = api.compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=cfg.overrides,
                                          micro_batch_size=cfg.micro_batch_size,
-                                         dtype="bf16" if cfg.bf16 else "fp32")
+                                         dtype="bf16" if cfg.bf16 else "fp32", cp=cfg.parallel.cp,
+                                         cp_comm_type=cfg.parallel.cp_comm_type)
     return source, spec
 
 
@@ -76,7 +77,7 @@ def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch
     device = device or torch.device("cpu")
     source, spec = compile_model(cfg)
     module = api.load_module_from_source(source, spec.name)
-    rng = RNGTracker(cfg.seed, pg.tp.rank)
+    rng = RNGTracker(cfg.seed, pg.tp.rank, cp_rank=pg.cp.rank)  # CP ranks' tokens get their own masks
     model = module.build_model(pg, seed=cfg.seed, rng_tracker=rng).to(device)
     if cfg.bf16:
         model = model.to(torch.bfloat16)  # the optimizer keeps fp32 master weights
@@ -133,6 +134,8 @@ def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, 
     finalize_model_grads(setup.model, pg, ddp)
     grad_norm, applied = setup.optimizer.step(lr)
     mean = (total / n).reshape(1)
+    # A CP model returns the whole sequence's per-token loss on every CP rank (it gathers it):
+    # the loss is reduced over DP only, never over CP.
     if pg.dp.size > 1:
         comm.all_reduce(mean, pg.dp)
         mean /= pg.dp.size
@@ -161,6 +164,8 @@ def evaluate(setup: Setup, dataset, cfg: TrainConfig, pg: ProcessGroups) -> floa
 
 
 def micro_batch(dataset, consumed: int, micro: int, cfg: TrainConfig, pg: ProcessGroups, device):
+    """This DP rank's micro-batch, full [b, s]: TP and CP ranks of one DP rank read the same
+    samples (a CP model scatters them to the rank's load-balanced chunks itself)."""
     tokens, labels = dataset.micro_batch(consumed, micro, cfg.micro_batch_size, pg.dp.rank, pg.dp.size)
     return (torch.from_numpy(tokens).to(device, non_blocking=True),
             torch.from_numpy(labels).to(device, non_blocking=True))

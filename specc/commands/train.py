@@ -102,7 +102,11 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1, metavar="N")
     g.add_argument("--sequence-parallel", "--sp", dest="sp", action="store_true",
                    help="sequence parallelism between the tensor-parallel GEMMs (needs TP > 1)")
-    g.add_argument("--context-parallel-size", dest="cp", type=int, default=1, metavar="N", help="must be 1")
+    g.add_argument("--context-parallel-size", "--cp", dest="cp", type=int, default=1, metavar="N",
+                   help="context parallelism: each sample's sequence sharded over N ranks in load-balanced chunks "
+                   "(default 1)")
+    g.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("auto", "p2p", "all_gather"), default="auto",
+                   help="attention over the context-parallel group: p2p (ring), all_gather, or auto (the cost model)")
     g.add_argument("--pipeline-model-parallel-size", dest="pp", type=int, default=1, metavar="N", help="must be 1")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard Adam state and fp32 master weights over the data-parallel ranks")

@@ -26,9 +26,9 @@ def make_corpus(directory: str) -> str:
     return out
 
 
-def tiny_config(world: int, data: str, *, tp=1, sp=False, mbs=2, gbs=8, dist_opt=False, clip=1.0, lr=3e-3,
+def tiny_config(world: int, data: str, *, tp=1, sp=False, cp=1, mbs=2, gbs=8, dist_opt=False, clip=1.0, lr=3e-3,
                 bucket=4_000_000, bf16=False, **kw) -> TrainConfig:
-    cfg = TrainConfig(spec=GPT_TINY, parallel=ParallelConfig(tp=tp, sp=sp), micro_batch_size=mbs,
+    cfg = TrainConfig(spec=GPT_TINY, parallel=ParallelConfig(tp=tp, sp=sp, cp=cp), micro_batch_size=mbs,
                       global_batch_size=gbs, bf16=bf16,
                       optimizer=OptimizerConfig(lr=lr, clip_grad=clip, use_distributed_optimizer=dist_opt,
                                                 bucket_size=bucket), **kw)
