@@ -127,6 +127,28 @@ def init_parameters(model: torch.nn.Module, seed: int) -> None:
             p.copy_(local_slice(full_init_tensor(meta, seed, name), meta))
 
 
+def randomized_full_tensor(meta: ParamInit, seed: int, name: str) -> torch.Tensor:
+    """A full tensor far from the initial one, identical at every TP size: gains (init "ones")
+    uniform in [0.5, 1.5], biases (init "zeros") normal around 0.1 with std 0.1, other weights
+    normal with their init std (0.02 where that is 0). Drawn from its own stream per name."""
+    generator = torch.Generator().manual_seed(stable_seed(seed, "randomized:" + name))
+    if meta.kind == "ones":
+        return torch.rand(meta.full_shape, generator=generator) + 0.5
+    if meta.kind == "zeros":
+        return torch.randn(meta.full_shape, generator=generator) * 0.1 + 0.1
+    return torch.randn(meta.full_shape, generator=generator) * (meta.std or 0.02)
+
+
+def randomize_parameters(model: torch.nn.Module, seed: int) -> None:
+    """Replace every parameter with this rank's slice of randomized_full_tensor: non-trivial
+    weights (no zero biases, no unit gains) that are still the same model at every TP size, so a
+    bias or gain handled wrongly across ranks shows (from the initial weights it cannot)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            meta = _meta(p)
+            p.copy_(local_slice(randomized_full_tensor(meta, seed, name), meta).to(p.dtype))
+
+
 def gather_full(tensor: torch.Tensor, p: torch.nn.Parameter, tp: Group) -> torch.Tensor:
     """All-gather `tensor` (p itself, or p.grad) from its shards to p's full shape."""
     meta = _meta(p)

@@ -3,7 +3,9 @@ model. For each setting (TP size, sequence parallelism) the compiled model runs 
 and is compared with the TP=1 model built from the same seed: the per-token loss at every step,
 the logits, every parameter's gradient gathered to full shape, and the weights after K SGD
 steps. The collectives the runtime really issued are counted and compared with the plan's.
-The model's inputs are drawn as the spec declares them (names, shapes, dtypes).
+Every comparison runs twice: from the initial weights, and from randomized ones (no zero biases,
+no unit gains: runtime.init.randomize_parameters), where a bias or gain handled wrongly across
+ranks shows. The model's inputs are drawn as the spec declares them (names, shapes, dtypes).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 import socket
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,7 @@ import torch.multiprocessing as mp
 from . import api
 from .comm import CommCounter
 from .grads import finalize_model_grads
-from .init import gather_full
+from .init import gather_full, randomize_parameters
 from .parallel_state import ProcessGroups
 from .random import RNGTracker
 
@@ -33,6 +35,8 @@ MUTATIONS = {
     "drop-partial-grad": "forget the TP all-reduce of the first tp-partial gradient (e.g. an SP norm weight)",
     "one-slab-segments": "shard a fused weight (QKV, gate+up) as one slab instead of per segment",
     "drop-reduction": "replace the first reduction of partial sums by a plain split (a missing all-reduce)",
+    "bias-on-every-rank": "add the first one-rank bias to the partial sums on every rank (its gradient still "
+                          "taken once): right while the bias is zero, as in the initial weights",
 }
 
 
@@ -73,6 +77,9 @@ def mutate_source(source: str, mutation: str):
         out, n = re.subn(r"mappings\.(reduce_scatter_to_sequence_parallel_region|reduce_from_tensor_model_parallel_region)"
                          r"\((\w+), self\.tp\)", lambda m: f"mappings.scatter_to_sequence_parallel_region({m.group(2)}, self.tp)"
                          if "scatter" in m.group(1) else m.group(2), source, count=1)
+    elif mutation == "bias-on-every-rank":
+        out, n = re.subn(r"(self\.[\w.]+) \* float\(self\.tp\.rank == 0\)",
+                         r"(\1 if self.tp.rank == 0 else \1.detach())", source, count=1)
     else:
         raise ValueError(f"unknown mutation {mutation!r}; known: {', '.join(MUTATIONS)}")
     return out, n > 0
@@ -335,6 +342,11 @@ def _rank_main(rank: int, world: int, port: int, cfg: VerifyConfig, results) -> 
         dist.destroy_process_group()
 
 
+# The weights each comparison starts from: the initial ones (every bias zero, every gain one), and
+# randomized ones where a bias or gain handled wrongly across ranks shows. Prefix of the rows' quantity.
+WEIGHTS = (("", False), ("random weights: ", True))
+
+
 def _verify_all(rank: int, cfg: VerifyConfig) -> list:
     src, spec, graph = api.compile_source(cfg.spec, 1, False, overrides=cfg.overrides, micro_batch_size=cfg.batch)
     inputs = _model_inputs(spec, graph)
@@ -342,13 +354,18 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
     single = ProcessGroups.single()
     statistical = _has_dropout(graph) and not cfg.tp_invariant_dropout
 
-    def build(source, name, pg):
+    def build(source, name, pg, randomized):
         tracker = RNGTracker(cfg.seed, pg.tp.rank, tp_invariant=cfg.tp_invariant_dropout)
-        return api.load_module_from_source(source, name).build_model(pg, seed=cfg.seed, rng_tracker=tracker)
+        model = api.load_module_from_source(source, name).build_model(pg, seed=cfg.seed, rng_tracker=tracker)
+        if randomized:
+            randomize_parameters(model, cfg.seed)
+        return model
 
-    ref_model = build(src, spec.name, single)
-    ref = _mask_losses(ref_model, cfg, inputs) if statistical else \
-        _run(ref_model, single, cfg, inputs, path, layout, _activation_sites(graph))
+    refs = {}
+    for prefix, randomized in WEIGHTS:
+        ref_model = build(src, spec.name, single, randomized)
+        refs[prefix] = _mask_losses(ref_model, cfg, inputs) if statistical else \
+            _run(ref_model, single, cfg, inputs, path, layout, _activation_sites(graph))
     rows = []
     for tp in cfg.tps:
         for sp in (cfg.sps if tp > 1 else [False]):
@@ -362,18 +379,23 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
                     if not applied:
                         rows.append(Row(setting, f"mutation {cfg.mutate}", 0.0, 0.0, True, "nothing to break here; skipped"))
                         continue
-                model = build(text, spec_t.name, pg)
-                if statistical:
-                    rows.append(_statistical_row(setting, ref, _mask_losses(model, cfg, inputs)))
-                    continue
-                path_t, layout_t = _logits_module(graph_t)
-                got = _run(model, pg, cfg, inputs, path_t, layout_t, _activation_sites(graph_t))
-                rows += _compare(setting, ref, got, cfg.tolerance, cfg.atol)
-                plan = _plan_counts(graph_t)
-                measured = dict(sorted(got["counts"].items()))
-                ok = measured == dict(sorted(plan.items()))
-                rows.append(Row(setting, "collectives == plan", 0.0, 0.0, ok,
-                                _counts_text(measured) + ("" if ok else f"  (plan: {_counts_text(plan)})")))
+                for prefix, randomized in WEIGHTS:
+                    model = build(text, spec_t.name, pg, randomized)
+                    if statistical:
+                        row = _statistical_row(setting, refs[prefix], _mask_losses(model, cfg, inputs))
+                        rows.append(replace(row, quantity=prefix + row.quantity))
+                        continue
+                    path_t, layout_t = _logits_module(graph_t)
+                    got = _run(model, pg, cfg, inputs, path_t, layout_t, _activation_sites(graph_t))
+                    rows += [replace(r, quantity=prefix + r.quantity)
+                             for r in _compare(setting, refs[prefix], got, cfg.tolerance, cfg.atol)]
+                    if randomized:
+                        continue  # the collectives do not depend on the weights
+                    plan = _plan_counts(graph_t)
+                    measured = dict(sorted(got["counts"].items()))
+                    ok = measured == dict(sorted(plan.items()))
+                    rows.append(Row(setting, "collectives == plan", 0.0, 0.0, ok,
+                                    _counts_text(measured) + ("" if ok else f"  (plan: {_counts_text(plan)})")))
             finally:
                 pg.destroy()
     return rows if rank == 0 else []

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.init import full_parameter, gather_full, init_parameters, stable_seed, tag_parameter
+from runtime.init import full_parameter, gather_full, init_parameters, randomize_parameters, stable_seed, tag_parameter
 from runtime.layers import (
     ColumnParallelLinear,
     LayerNorm,
@@ -65,6 +65,40 @@ def _check_tp_invariance(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_sharded_init_equals_tp1(gloo, world):
     gloo.run(world, _check_tp_invariance)
+
+
+def _check_randomized_tp_invariance(rank, world):
+    pg = ProcessGroups.initialize(tp=world)
+    try:
+        sharded, full = TinyModel(pg.tp), TinyModel(Group.single("tp"))
+        init_parameters(sharded, seed=1234)
+        randomize_parameters(sharded, seed=7)
+        randomize_parameters(full, seed=7)
+        for (name, p), (_, p_full) in zip(sharded.named_parameters(), full.named_parameters()):
+            assert torch.equal(full_parameter(p, pg.tp), p_full), name  # the same model at every TP size
+    finally:
+        pg.destroy()
+
+
+def test_randomized_weights_are_tp_invariant(gloo):
+    gloo.run(2, _check_randomized_tp_invariance)
+
+
+def test_randomized_weights_have_no_zero_biases_or_unit_gains():
+    model = TinyModel(Group.single("tp"))
+    init_parameters(model, seed=0)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    randomize_parameters(model, seed=0)
+    gains, biases = model.norm.weight, model.qkv.bias
+    assert 0.5 <= gains.min() and gains.max() <= 1.5 and (gains - 1).abs().mean() > 0.1
+    assert (biases - 0.1).abs().max() < 0.6 and biases.abs().mean() > 0.05 and biases.std() > 0.05
+    for name, p in model.named_parameters():
+        assert not torch.equal(p, initial[name]), name
+    again = TinyModel(Group.single("tp"))
+    randomize_parameters(again, seed=0)  # a function of (seed, name) only
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    randomize_parameters(again, seed=1)
+    assert not torch.equal(again.down.weight, model.down.weight)
 
 
 def test_init_kinds_and_stds():

@@ -18,6 +18,11 @@ def verify(*args):
                           timeout=600)
 
 
+# the parallel block with row-parallel biases, added to the partial sums on one rank
+BIASES = ["--set", "modules.SelfAttention.submodules.linear_proj.bias=true",
+          "--set", "modules.MLP.submodules.linear_fc2.bias=true"]
+
+
 @pytest.mark.parametrize("spec", ["gpt-tiny.yaml", "llama-tiny.yaml", "parallel-block-tiny.yaml"])
 def test_tiny_specs_verify_at_tp2_and_tp4(spec):
     result = verify(f"specs/{spec}", "--tp", "1,2,4", "--sp", "both")
@@ -25,10 +30,13 @@ def test_tiny_specs_verify_at_tp2_and_tp4(spec):
     out = result.stdout
     for setting in ("tp=2 sp=off", "tp=2 sp=on", "tp=4 sp=off", "tp=4 sp=on"):
         rows = [ln for ln in out.splitlines() if ln.startswith(setting)]
-        assert len(rows) == 6, out  # loss, logits, activations, gradients, weights, collectives
+        # loss, logits, activations, gradients, weights, collectives; the first five again from
+        # randomized weights
+        assert len(rows) == 11, out
         assert all(" pass" in ln for ln in rows)
         assert any("collectives == plan" in ln for ln in rows)
-    assert out.strip().splitlines()[-1] == "30 passed, 0 failed (5 settings)"
+        assert sum("random weights: " in ln for ln in rows) == 5
+    assert out.strip().splitlines()[-1] == "55 passed, 0 failed (5 settings)"
 
 
 @pytest.mark.parametrize("mutation,named", [
@@ -48,11 +56,25 @@ def test_broken_modules_fail_and_name_the_divergence(mutation, named):
 
 
 def test_parallel_block_with_biases_added_on_one_rank():
-    result = verify("specs/parallel-block-tiny.yaml", "--tp", "2,4", "--sp", "on",
-                    "--set", "modules.SelfAttention.submodules.linear_proj.bias=true",
-                    "--set", "modules.MLP.submodules.linear_fc2.bias=true")
+    result = verify("specs/parallel-block-tiny.yaml", "--tp", "2,4", "--sp", "on", *BIASES)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "18 passed, 0 failed (3 settings)"
+    assert result.stdout.strip().splitlines()[-1] == "33 passed, 0 failed (3 settings)"
+
+
+def test_a_bias_added_on_every_rank_shows_only_from_randomized_weights():
+    """The one-rank bias of a parallel block added on every rank (its gradient still taken once)
+    is right while the bias is zero: from the initial weights (one step, before SGD moves the
+    bias) every row passes; from randomized weights the loss and the first activation after the
+    bias diverge."""
+    result = verify("specs/parallel-block-tiny.yaml", "--tp", "2", "--sp", "on", *BIASES,
+                    "--mutate", "bias-on-every-rank", "--steps", "1")
+    assert result.returncode == 1, result.stdout + result.stderr
+    rows = [ln for ln in result.stdout.splitlines() if ln.startswith("tp=2 sp=on")]
+    initial = [ln for ln in rows if "random weights: " not in ln]
+    randomized = [ln for ln in rows if "random weights: " in ln]
+    assert len(initial) == 6 and all(" pass" in ln for ln in initial), result.stdout
+    assert len(randomized) == 5 and all(" FAIL" in ln for ln in randomized), result.stdout
+    assert "first diverging activation: output of layers.1.input_layernorm" in result.stdout
 
 
 MODEL_WITH_OTHER_INPUTS = """\
@@ -113,13 +135,13 @@ DROPOUT = ["--set", "hidden_dropout=0.1", "--set", "attention_dropout=0.1"]
 def test_dropout_compares_exactly_with_tp_invariant_masks():
     result = verify("specs/gpt-tiny.yaml", "--tp", "2", "--sp", "on", *DROPOUT, "--tp-invariant-dropout")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "12 passed, 0 failed (2 settings)"
+    assert result.stdout.strip().splitlines()[-1] == "22 passed, 0 failed (2 settings)"
 
 
 def test_dropout_compares_statistically_otherwise():
     result = verify("specs/gpt-tiny.yaml", "--tp", "2", "--sp", "both", *DROPOUT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("per-token loss with dropout (32 masks each)") == 3
+    assert result.stdout.count("per-token loss with dropout (32 masks each)") == 6  # initial and random weights
     # a forward bug moves the expected per-token losses far beyond mask noise (gradient-only bugs
     # need the exact mode: this check sees the forward pass alone)
     broken = verify("specs/gpt-tiny.yaml", "--tp", "2", "--sp", "on", *DROPOUT, "--mutate", "one-slab-segments")
