@@ -4,8 +4,6 @@ commands that run models (verify, train), which import the runtime when they sta
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import sys
 
 from . import __version__
@@ -182,33 +180,6 @@ def compile_args(args):
     return load_and_compile(args.spec, settings_from(args), overrides_from(args))
 
 
-def command_line(args) -> str:
-    """The compile command that reproduces a result, for headers."""
-    spec = os.path.relpath(args.spec) if not os.path.isabs(args.spec) else args.spec
-    parts = ["specc compile", shlex.quote(spec)]  # `specc check` splits the command with shlex
-    if args.tp != 1:
-        parts.append(f"--tp {args.tp}")
-    if args.sp and args.tp > 1:
-        parts.append("--sp")
-    if getattr(args, "cp", 1) != 1:
-        parts.append(f"--cp {args.cp}")
-    if getattr(args, "cp_comm_type", "auto") != "auto":
-        parts.append(f"--cp-comm-type {args.cp_comm_type}")
-    if args.backend != "auto":
-        parts.append(f"--backend {args.backend}")
-    if args.micro_batch_size != 1:
-        parts.append(f"--micro-batch-size {args.micro_batch_size}")
-    if args.dtype != "bf16":
-        parts.append(f"--dtype {args.dtype}")
-    if not args.fuse:
-        parts.append("--no-fuse")
-    parts += [f"--set {shlex.quote(o)}" for o in args.overrides]
-    for key, flag in MEGATRON_CONFIG_FLAGS.items():
-        if getattr(args, f"cfg_{key}", None) is not None:
-            parts.append(f"{flag} {getattr(args, f'cfg_{key}')}")
-    return " ".join(p.replace(os.sep, "/") for p in parts)
-
-
 # -- commands ------------------------------------------------------------------------------------
 
 def cmd_validate(args) -> int:
@@ -266,12 +237,17 @@ def cmd_diff(args) -> int:
 def cmd_compile(args) -> int:
     from .emit.write import compile_to_dir
     from .frontend.load import MAX_NAME
+    from .pipeline import load_and_compile
 
     if args.name is not None and len(args.name) > MAX_NAME:
         raise SpecError(Loc("--name"), f"the name is {len(args.name)} characters long, at most {MAX_NAME}",
                         "it names the generated folder")
-    spec, graph = compile_args(args)
-    out = compile_to_dir(spec, graph, args.output, command_line(args), args.name)
+    from .emit.recipe import command_of, make_recipe
+
+    settings, overrides = settings_from(args), overrides_from(args)
+    recipe = make_recipe(args.spec, settings, overrides)
+    spec, graph = load_and_compile(args.spec, settings, overrides)
+    out = compile_to_dir(spec, graph, args.output, command_of(recipe), args.name, recipe)
     print(f"wrote {out}/model.py, plan.txt, plan.json, graph.dot", file=sys.stderr)
     return 0
 

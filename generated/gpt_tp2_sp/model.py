@@ -16,7 +16,7 @@ from runtime import mappings
 
 SPEC_NAME = "gpt"
 SPEC_SHA256 = "d7927410cfb10de1a5eea088b9cc30a119cd141d0de498b1dc97ae3c2bbd13be"
-SETTINGS = {'tp': 2, 'sp': True, 'backend': 'auto', 'micro_batch_size': 1, 'dtype': 'bf16', 'fuse': True}
+SETTINGS = {'tp': 2, 'sp': True, 'backend': 'auto', 'micro_batch_size': 1, 'dtype': 'bf16', 'fuse': True, 'cp': 1, 'cp_comm_type': 'auto', 'spec': 'specs/gpt.yaml', 'overrides': []}
 COMPILE_COMMAND = "specc compile specs/gpt.yaml --tp 2 --sp"
 
 
@@ -135,6 +135,9 @@ def build_model(pg=None, seed=1234, rng_tracker=None) -> GPTModel:
     if pg.tp.size != SETTINGS["tp"]:
         raise ValueError(f"this module was compiled for tensor-model-parallel size {SETTINGS['tp']}, "
                          f"but the process groups have {pg.tp.size}")
+    if pg.cp.size != SETTINGS["cp"]:
+        raise ValueError(f"this module was compiled for context-parallel size {SETTINGS['cp']}, "
+                         f"but the process groups have {pg.cp.size}")
     model = GPTModel(pg, rng_tracker)
     runtime.init_parameters(model, seed)
     return model

@@ -15,7 +15,7 @@ import runtime
 
 SPEC_NAME = "llama"
 SPEC_SHA256 = "a2ba2b7a2bd368756a20d13bfda7956259c6b8fe1fc45aea920ddde6ea32c74a"
-SETTINGS = {'tp': 1, 'sp': False, 'backend': 'auto', 'micro_batch_size': 1, 'dtype': 'bf16', 'fuse': True}
+SETTINGS = {'tp': 1, 'sp': False, 'backend': 'auto', 'micro_batch_size': 1, 'dtype': 'bf16', 'fuse': True, 'cp': 1, 'cp_comm_type': 'auto', 'spec': 'specs/llama.yaml', 'overrides': []}
 COMPILE_COMMAND = "specc compile specs/llama.yaml"
 
 
@@ -105,6 +105,9 @@ def build_model(pg=None, seed=1234, rng_tracker=None) -> LlamaModel:
     if pg.tp.size != SETTINGS["tp"]:
         raise ValueError(f"this module was compiled for tensor-model-parallel size {SETTINGS['tp']}, "
                          f"but the process groups have {pg.tp.size}")
+    if pg.cp.size != SETTINGS["cp"]:
+        raise ValueError(f"this module was compiled for context-parallel size {SETTINGS['cp']}, "
+                         f"but the process groups have {pg.cp.size}")
     model = LlamaModel(pg, rng_tracker)
     runtime.init_parameters(model, seed)
     return model

@@ -16,7 +16,7 @@ from runtime import mappings
 
 SPEC_NAME = "parallel_block"
 SPEC_SHA256 = "5280853d4abb18b7f82d22e44c83e01e8796892bc89dedef008c29acd2dc0298"
-SETTINGS = {'tp': 2, 'sp': True, 'backend': 'auto', 'micro_batch_size': 1, 'dtype': 'bf16', 'fuse': True}
+SETTINGS = {'tp': 2, 'sp': True, 'backend': 'auto', 'micro_batch_size': 1, 'dtype': 'bf16', 'fuse': True, 'cp': 1, 'cp_comm_type': 'auto', 'spec': 'specs/parallel-block.yaml', 'overrides': []}
 COMPILE_COMMAND = "specc compile specs/parallel-block.yaml --tp 2 --sp"
 
 
@@ -121,6 +121,9 @@ def build_model(pg=None, seed=1234, rng_tracker=None) -> GPTModel:
     if pg.tp.size != SETTINGS["tp"]:
         raise ValueError(f"this module was compiled for tensor-model-parallel size {SETTINGS['tp']}, "
                          f"but the process groups have {pg.tp.size}")
+    if pg.cp.size != SETTINGS["cp"]:
+        raise ValueError(f"this module was compiled for context-parallel size {SETTINGS['cp']}, "
+                         f"but the process groups have {pg.cp.size}")
     model = GPTModel(pg, rng_tracker)
     runtime.init_parameters(model, seed)
     return model

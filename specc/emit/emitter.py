@@ -15,6 +15,7 @@ from ..layouts import SH, SS, I, P, R
 from ..ops import OPS
 from ..ops.base import EmitCtx
 from .pytext import docstring_text, string_literal
+from .recipe import make_recipe
 
 _SUFFIX = {I: "full", R: "rep", SS: "seq", SH: "shard", P: "partial"}
 _COLL = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
@@ -28,7 +29,9 @@ _ENV.filters["doc"] = docstring_text
 _ENV.filters["pystr"] = string_literal
 
 
-def emit_model(graph, command: str) -> str:
+def emit_model(graph, command: str, recipe: dict | None = None) -> str:
+    """model.py for a compiled graph. `recipe` (emit/recipe.py) is what it was compiled from, kept
+    as SETTINGS; `command` the compile command shown to people (COMPILE_COMMAND)."""
     spec, settings = graph.spec, graph.spec.settings
     emitter = _Emitter(graph)
     root_class = emitter.class_for("")
@@ -39,7 +42,7 @@ def emit_model(graph, command: str) -> str:
         spec_name=spec.name, description=spec.description or spec.name, version=__version__,
         spec_file=os.path.basename(spec.path), spec_hash=spec.source_hash, command=command,
         settings_line=settings.describe(), classes=classes, root_class=root_class,
-        settings_dict=repr(settings.as_dict()),
+        settings_dict=ascii(recipe if recipe is not None else make_recipe(spec.path, settings)),
     )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import difflib
 import os
-import shlex
 import shutil
 import tempfile
 
@@ -14,6 +13,7 @@ from ..files import locked_folder, make_public, swap_folder
 from ..graphviz import to_dot
 from ..plan import build_plan, plan_json, plan_text
 from .emitter import emit_model
+from .recipe import parse_generated
 
 FILES = ("model.py", "plan.txt", "plan.json", "graph.dot")
 # Every folder compile writes holds MARKER: compile replaces only such folders (and only while they
@@ -28,18 +28,18 @@ def default_name(spec) -> str:
     return spec.name + (f"_tp{s.tp}" if s.tp > 1 else "") + ("_sp" if s.sp else "") + (f"_cp{s.cp}" if s.cp > 1 else "")
 
 
-def render_all(spec, graph, command: str) -> dict:
+def render_all(spec, graph, command: str, recipe: dict | None = None) -> dict:
     plan = build_plan(graph)
-    return {"model.py": emit_model(graph, command), "plan.txt": plan_text(plan), "plan.json": plan_json(plan),
+    return {"model.py": emit_model(graph, command, recipe), "plan.txt": plan_text(plan), "plan.json": plan_json(plan),
             "graph.dot": to_dot(graph)}
 
 
-def compile_to_dir(spec, graph, root: str, command: str, name: str | None = None) -> str:
+def compile_to_dir(spec, graph, root: str, command: str, name: str | None = None, recipe: dict | None = None) -> str:
     name = name or default_name(spec)
     if not name.isidentifier():
         raise SpecError(Loc("--name"), f"'{name}' is not a valid Python identifier", "the folder must be importable")
     check_replaceable(os.path.join(root, name))  # refuse before the work, and again under the lock
-    files = render_all(spec, graph, command)  # everything rendered before anything is written
+    files = render_all(spec, graph, command, recipe)  # everything rendered before anything is written
     return write_output(root, name, files)
 
 
@@ -115,42 +115,16 @@ def _generated_model(path: str) -> bool:
 
 def compile_command_of(model_path: str) -> str:
     """The COMPILE_COMMAND constant of a generated model.py, read without importing it."""
-    hint = "recompile it with `specc compile`"
-    try:
-        with open(model_path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), model_path)
-    except SyntaxError as e:
-        raise SpecError(Loc(model_path, e.lineno or 0, e.offset or 0), f"not a Python module: {e.msg}", hint) from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise SpecError(Loc(model_path), f"cannot read it as Python source ({getattr(e, 'strerror', None) or e})",
-                        hint) from None
-    for node in tree.body:
+    for node in parse_generated(model_path).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "COMPILE_COMMAND" for t in node.targets):
             if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
                 return node.value.value
     raise SpecError(Loc(model_path), "no COMPILE_COMMAND in this generated module", "recompile it with `specc compile`")
 
 
-def _recorded_compile(model: str, parser):
-    """The parsed arguments of a model.py's COMPILE_COMMAND, which must be a `specc compile`."""
-    from ..cli import UsageError
-
-    command = compile_command_of(model)
-    hint = "recompile it with `specc compile`"
-    try:
-        words = shlex.split(command)
-    except ValueError as e:
-        raise SpecError(Loc(model), f"COMPILE_COMMAND {command[:60]!r} is not a command line ({e})", hint) from None
-    if words[:2] != ["specc", "compile"] or {"-h", "--help"} & set(words):
-        raise SpecError(Loc(model), f"COMPILE_COMMAND {command[:60]!r} is not a `specc compile` command", hint)
-    try:
-        return parser.parse_args(words[1:])
-    except UsageError as e:
-        raise SpecError(Loc(model), f"COMPILE_COMMAND {command[:60]!r}: {e.message}", hint) from None
-
-
 def check_generated(root: str, out) -> int:
-    from ..cli import build_parser, command_line, compile_args
+    from ..pipeline import load_and_compile
+    from .recipe import command_of, overrides_of, read_recipe, settings_of
 
     if not os.path.isdir(root):
         raise SpecError(Loc(root), "no such folder", "run `specc compile SPEC` first")
@@ -160,9 +134,9 @@ def check_generated(root: str, out) -> int:
         model = os.path.join(folder, "model.py")
         if name.startswith(".") or not os.path.isfile(model):
             continue
-        args = _recorded_compile(model, build_parser())
-        spec, graph = compile_args(args)
-        fresh = render_all(spec, graph, command_line(args))
+        recipe = read_recipe(model)  # rebuilt from the recorded data, not from a command line
+        spec, graph = load_and_compile(recipe["spec"], settings_of(recipe), overrides_of(recipe))
+        fresh = render_all(spec, graph, command_of(recipe), recipe)
         checked += 1
         for fname, text in fresh.items():
             path = os.path.join(folder, fname)

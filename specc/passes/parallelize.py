@@ -10,7 +10,7 @@ graph, and a graph that typechecks has correct gradients by construction."""
 from __future__ import annotations
 
 from ..errors import SpecError
-from ..ir.graph import OUTPUT, Graph, Op, Value
+from ..ir.graph import Graph, Op, Value
 from ..layouts import AXIS_NAMES, BOUNDARIES, SH, SS, I, Layout, Mesh, P, R, conversion_path
 from ..ops import OPS, Ctx
 
@@ -175,6 +175,8 @@ def _join(g: Graph, op: Op, rule, layouts: list, values: list, ctx: Ctx) -> str:
     for cand in (ctx.home,) + tuple(p for p in PREFERENCE if p != ctx.home) + ((P,) if rule.partial_ok and P in layouts else ()):
         if cand not in rule.allowed and cand != P:
             continue
+        if cand == SH and len({_cut(g.values[v]) for v in values}) > 1:
+            continue  # shards cut on different segments hold different features: they do not line up
         onward = None if rule.fixed_outputs else conversion_path(axis, cand, ahead)
         cost = sum(_cost(b, g.values[values[0]].shape) for b in onward) if onward else 0
         if onward is None and not rule.fixed_outputs:  # the consumers' layout cannot be reached from here
@@ -191,6 +193,11 @@ def _join(g: Graph, op: Op, rule, layouts: list, values: list, ctx: Ctx) -> str:
         raise SpecError(op.loc, f"cannot type {op.id}: inputs have layouts {', '.join(layouts)} on {axis} and "
                         f"{kind.name} needs one of {', '.join(rule.allowed)}; no boundary converts between them")
     return best
+
+
+def _cut(value: Value) -> tuple:
+    """How an S(h) shard of `value` is cut: by its segments, or () for one slab."""
+    return tuple(value.segments) if len(value.segments) > 1 else ()
 
 
 def _cost(boundary, shape) -> int:
@@ -254,6 +261,9 @@ def _insert_path(g: Graph, value: Value, axis: str, want: str, scope: str, befor
         attrs = {"axis": axis, "src": boundary.src, "dst": boundary.dst, "grad": current.dtype in ("act", "float32")}
         if boundary.seq_dim_kwarg:
             attrs["seq_dim"] = current.seq_dim
+        if SH in (boundary.src, boundary.dst) and len(current.segments) > 1:
+            # a fused value's S(h) shard holds a slice of every segment: gather and scatter by segment
+            attrs["segments"] = tuple(current.segments)
         b = Op(bid, "boundary", attrs, [current.id], [out.id], scope, g.scopes[scope], None, anchor.step, anchor.loc,
                impl="native", in_layouts=[layout_in], out_layouts=[out.layout])
         with g.inserting_before(before):

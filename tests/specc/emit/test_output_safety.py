@@ -143,7 +143,7 @@ WRITER = textwrap.dedent("""
         import specc.files
         specc.files._exchange = lambda a, b: False  # the portable path: rename away, then in
     files = {name: name * 2000 for name in write.FILES}
-    write.render_all = lambda spec, graph, command: files  # the swap is under test, not the compiler
+    write.render_all = lambda spec, graph, command, recipe=None: files  # the swap is under test, not the compiler
     while not os.path.exists(go):
         time.sleep(0.001)
     failures = 0

@@ -115,6 +115,11 @@ def skeleton(source: str) -> str:
             body[0].value.value = "<doc>"
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") in ("SPEC_SHA256", "COMPILE_COMMAND"):
             node.value.value = "<text>"
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "SETTINGS":
+            ast.literal_eval(node.value)  # plain data, whatever the spec path holds
+            for key, value in zip(node.value.keys, node.value.values):
+                if key.value == "spec":
+                    value.value = "<text>"
     return ast.dump(tree)
 
 
