@@ -289,6 +289,18 @@ def _wait(works) -> None:
             work.wait()
 
 
+def _saved_output(ctx, out: torch.Tensor, result: torch.Tensor) -> tuple:
+    """What backward keeps of the attention output: the returned [s, b, nh*d] tensor itself when
+    it holds the compute dtype (the projection after attention saves that tensor too, so it is
+    one storage, as the plan counts it), else the compute-dtype [b, G, g, s, d] output."""
+    ctx.output_is_result = result.dtype == out.dtype
+    return (result if ctx.output_is_result else out,)
+
+
+def _output_heads(ctx, saved: torch.Tensor, cfg: _Config, dtype) -> torch.Tensor:
+    return _q_heads(saved, cfg, dtype) if ctx.output_is_result else saved
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: _Config):
@@ -324,8 +336,9 @@ class _RingAttention(torch.autograd.Function):
             if incoming is not None:
                 kv = incoming
         ctx.cfg = cfg
-        ctx.save_for_backward(q, k, v, out, lse)
-        return _from_q_heads(out, q.dtype)
+        result = _from_q_heads(out, q.dtype)
+        ctx.save_for_backward(q, k, v, *_saved_output(ctx, out, result), lse)
+        return result
 
     @staticmethod
     def backward(ctx, dout):
@@ -334,11 +347,12 @@ class _RingAttention(torch.autograd.Function):
         cp, n, rank = cfg.cp, cfg.cp.size, cfg.cp.rank
         nxt_rank, prev_rank = (rank + 1) % n, (rank - 1) % n
         s = q.shape[0]
-        dtype = out.dtype
+        dtype = _compute_dtype(q.dtype)
+        out = _output_heads(ctx, out, cfg, dtype)
         need_kv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         q5, dout5 = _q_heads(q, cfg, dtype), _q_heads(dout, cfg, dtype)
         delta = (dout5 * out).sum(-1)
-        dq = torch.zeros_like(out)
+        dq = torch.zeros(out.shape, dtype=dtype, device=out.device)
         kv = torch.stack([k, v])
         dkv = None  # the accumulated dK/dV of the block held in the previous step
         cfg.dropout.restart()
@@ -400,14 +414,16 @@ class _AllGatherAttention(torch.autograd.Function):
         out, lse = _block_forward(q5, _kv_heads(k_all, cfg, dtype), _kv_heads(v_all, cfg, dtype),
                                   cfg.scale, masked, keep, cfg.dropout.p)
         ctx.cfg, ctx.masked = cfg, masked
-        ctx.save_for_backward(q, k_all, v_all, out, lse)
-        return _from_q_heads(out, q.dtype)
+        result = _from_q_heads(out, q.dtype)
+        ctx.save_for_backward(q, k_all, v_all, *_saved_output(ctx, out, result), lse)
+        return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k_all, v_all, out, lse = ctx.saved_tensors
         cfg = ctx.cfg
-        s, dtype = q.shape[0], out.dtype
+        s, dtype = q.shape[0], _compute_dtype(q.dtype)
+        out = _output_heads(ctx, out, cfg, dtype)
         q5, dout5 = _q_heads(q, cfg, dtype), _q_heads(dout, cfg, dtype)
         delta = (dout5 * out).sum(-1)
         cfg.dropout.restart()
