@@ -11,6 +11,7 @@ ranks shows. The model's inputs are drawn as the spec declares them (names, shap
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import queue
 import re
@@ -55,6 +56,8 @@ class VerifyConfig:
     mutate: str | None = None
     tp_invariant_dropout: bool = False  # exact comparison with dropout on (masks drawn full-size)
     mask_draws: int = 32  # dropout on, statistical mode: independent masks per side
+    cps: list = field(default_factory=lambda: [1])  # context-parallel sizes
+    cp_comm_types: list = field(default_factory=lambda: ["auto"])  # attention over CP: p2p, all_gather, auto
 
 
 @dataclass
@@ -136,16 +139,28 @@ def _index_bounds(graph, value_id: str) -> list:
     return bounds
 
 
+def _converts(graph, op_id) -> bool:
+    from specc.ops import OPS
+
+    return OPS[graph.ops[op_id].kind].converts()
+
+
+def _site(graph, op) -> tuple:
+    """How to gather an op's first output to full shape: (layout, segments, sequence dim)."""
+    value = graph.values[op.outputs[0]]
+    return op.out_layouts[0], value.segments, value.seq_dim
+
+
 def _logits_module(graph):
-    """The module that produces the logits (the first input of the cross-entropy), with its layout."""
+    """The module that produces the logits (the first input of the cross-entropy), with its site."""
     for op in graph.iter_ops():
         if op.kind == "cross_entropy":
             producer = graph.values[op.inputs[0]].producer
-            while producer and graph.ops[producer].kind == "boundary":
+            while producer and _converts(graph, producer):
                 producer = graph.values[graph.ops[producer].inputs[0]].producer
             src = graph.ops.get(producer)
             if src is not None and src.attr_name:
-                return (f"{src.scope}.{src.attr_name}" if src.scope else src.attr_name), src.out_layouts[0]["tp"]
+                return (f"{src.scope}.{src.attr_name}" if src.scope else src.attr_name), _site(graph, src)
     return None, None
 
 
@@ -153,19 +168,29 @@ def _activation_sites(graph) -> list:
     """(module path, output layout) of every op that is a module, in execution order."""
     sites, seen = [], set()
     for op in graph.iter_ops():
-        if op.attr_name and op.kind not in ("boundary", "bias_add"):
+        if op.attr_name and not _converts(graph, op.id):
             path = f"{op.scope}.{op.attr_name}" if op.scope else op.attr_name
             if path not in seen:
                 seen.add(path)
-                sites.append((path, (op.out_layouts[0]["tp"], graph.values[op.outputs[0]].segments)))
+                sites.append((path, _site(graph, op)))
     return sites
 
 
-def _full_activation(t, site, tp):
+def _full_activation(t, site, pg):
+    """A rank's piece of a value gathered to full shape: over tp, then over cp (un-permuting the
+    load-balanced chunks of the sequence)."""
+    layout, segments, seq_dim = site
+    full = _full_over_tp(t.detach().contiguous(), layout["tp"], segments, pg.tp)
+    if pg.cp.size > 1 and layout["cp"] == "S(s)":
+        from .context_parallel import gather_load_balanced
+
+        full = gather_load_balanced(full.contiguous(), pg.cp, seq_dim)
+    return full
+
+
+def _full_over_tp(t, layout, segments, tp):
     from .mappings import gather_dim0, gather_last
 
-    layout, segments = site
-    t = t.detach().contiguous()
     if tp.size == 1 or layout in ("I", "R"):
         return t.clone()
     if layout == "S(s)":
@@ -198,7 +223,7 @@ def _capture(model, sites):
     return store, handles
 
 
-def _run(model, pg, cfg, inputs, logits_path, logits_layout, sites):
+def _run(model, pg, cfg, inputs, logits_path, logits_site, sites):
     """K training steps; what to compare, as full tensors on every rank."""
     captured = {}
     if logits_path:
@@ -220,14 +245,13 @@ def _run(model, pg, cfg, inputs, logits_path, logits_layout, sites):
             finalize_model_grads(model, pg)
         layouts = dict(sites)
         for path, outs in store.items():
-            activations[path] = [_full_activation(o, layouts[path], pg.tp) for o in outs]
+            activations[path] = [_full_activation(o, layouts[path], pg) for o in outs]
         if step == 0:
             counts = counter.totals()
             grads = {n: gather_full(p.grad, p, pg.tp) for n, p in model.named_parameters()}
             logits = captured.get("logits")
-            if logits is not None and logits_layout == "S(h)" and pg.tp.size > 1:
-                from .mappings import gather_last
-                logits = gather_last(logits.contiguous(), pg.tp)
+            if logits is not None:
+                logits = _full_activation(logits, logits_site, pg)
         losses.append(loss.detach().clone())
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -355,7 +379,7 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
     statistical = _has_dropout(graph) and not cfg.tp_invariant_dropout
 
     def build(source, name, pg, randomized):
-        tracker = RNGTracker(cfg.seed, pg.tp.rank, tp_invariant=cfg.tp_invariant_dropout)
+        tracker = RNGTracker(cfg.seed, pg.tp.rank, tp_invariant=cfg.tp_invariant_dropout, cp_rank=pg.cp.rank)
         model = api.load_module_from_source(source, name).build_model(pg, seed=cfg.seed, rng_tracker=tracker)
         if randomized:
             randomize_parameters(model, cfg.seed)
@@ -367,38 +391,57 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
         refs[prefix] = _mask_losses(ref_model, cfg, inputs) if statistical else \
             _run(ref_model, single, cfg, inputs, path, layout, _activation_sites(graph))
     rows = []
-    for tp in cfg.tps:
-        for sp in (cfg.sps if tp > 1 else [False]):
-            setting = f"tp={tp} sp={'on' if sp else 'off'}"
-            pg = ProcessGroups.initialize(tp=tp)
-            try:
-                text, spec_t, graph_t = api.compile_source(cfg.spec, tp, sp, overrides=cfg.overrides,
-                                                           micro_batch_size=cfg.batch)
-                if cfg.mutate and tp > 1:
-                    text, applied = mutate_source(text, cfg.mutate)
-                    if not applied:
-                        rows.append(Row(setting, f"mutation {cfg.mutate}", 0.0, 0.0, True, "nothing to break here; skipped"))
-                        continue
-                for prefix, randomized in WEIGHTS:
-                    model = build(text, spec_t.name, pg, randomized)
-                    if statistical:
-                        row = _statistical_row(setting, refs[prefix], _mask_losses(model, cfg, inputs))
-                        rows.append(replace(row, quantity=prefix + row.quantity))
-                        continue
-                    path_t, layout_t = _logits_module(graph_t)
-                    got = _run(model, pg, cfg, inputs, path_t, layout_t, _activation_sites(graph_t))
-                    rows += [replace(r, quantity=prefix + r.quantity)
-                             for r in _compare(setting, refs[prefix], got, cfg.tolerance, cfg.atol)]
-                    if randomized:
-                        continue  # the collectives do not depend on the weights
-                    plan = _plan_counts(graph_t)
-                    measured = dict(sorted(got["counts"].items()))
-                    ok = measured == dict(sorted(plan.items()))
-                    rows.append(Row(setting, "collectives == plan", 0.0, 0.0, ok,
-                                    _counts_text(measured) + ("" if ok else f"  (plan: {_counts_text(plan)})")))
-            finally:
-                pg.destroy()
+    for tp, cp, comm, sp in _settings(cfg):
+        setting = f"tp={tp}" + (f" cp={cp}" + (f" {comm}" if comm != "auto" else "") if cp > 1 else "") + \
+            f" sp={'on' if sp else 'off'}"
+        pg = ProcessGroups.initialize(tp=tp, cp=cp)
+        try:
+            text, spec_t, graph_t = api.compile_source(cfg.spec, tp, sp, overrides=cfg.overrides,
+                                                       micro_batch_size=cfg.batch, cp=cp, cp_comm_type=comm)
+            if cfg.mutate and tp * cp > 1:
+                text, applied = mutate_source(text, cfg.mutate)
+                if not applied:
+                    rows.append(Row(setting, f"mutation {cfg.mutate}", 0.0, 0.0, True, "nothing to break here; skipped"))
+                    continue
+            for prefix, randomized in WEIGHTS:
+                model = build(text, spec_t.name, pg, randomized)
+                if statistical:
+                    row = _statistical_row(setting, refs[prefix], _mask_losses(model, cfg, inputs))
+                    rows.append(replace(row, quantity=prefix + row.quantity))
+                    continue
+                path_t, layout_t = _logits_module(graph_t)
+                got = _run(model, pg, cfg, inputs, path_t, layout_t, _activation_sites(graph_t))
+                rows += [replace(r, quantity=prefix + r.quantity)
+                         for r in _compare(setting, refs[prefix], got, cfg.tolerance, cfg.atol)]
+                if randomized:
+                    continue  # the collectives do not depend on the weights
+                plan = _plan_counts(graph_t)
+                measured = dict(sorted(got["counts"].items()))
+                ok = measured == dict(sorted(plan.items()))
+                rows.append(Row(setting, "collectives == plan", 0.0, 0.0, ok,
+                                _counts_text(measured) + ("" if ok else f"  (plan: {_counts_text(plan)})")))
+        finally:
+            pg.destroy()
     return rows if rank == 0 else []
+
+
+def _settings(cfg: VerifyConfig) -> list:
+    """(tp, cp, cp comm type, sp) of every setting to check, in a fixed order."""
+    out = []
+    for cp in cfg.cps:
+        for comm in (cfg.cp_comm_types if cp > 1 else ["auto"]):
+            for tp in cfg.tps:
+                for sp in (cfg.sps if tp > 1 else [False]):
+                    out.append((tp, cp, comm, sp))
+    return out
+
+
+def world_size(cfg: VerifyConfig) -> int:
+    """Ranks every setting can run on: the least common multiple of the TP x CP sizes."""
+    world = 1
+    for tp, cp, _, _ in _settings(cfg):
+        world = math.lcm(world, tp * cp)
+    return world
 
 
 def _counts_text(counts: dict) -> str:
@@ -415,7 +458,7 @@ def _free_port() -> int:
 
 def verify(cfg: VerifyConfig, timeout_s: float = 600) -> list:
     """Run every setting on max(tps) gloo ranks; the comparison rows (from rank 0)."""
-    world = max(cfg.tps)
+    world = world_size(cfg)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()

@@ -259,15 +259,20 @@ def cmd_verify(args) -> int:
     if not 0 < args.tolerance < float("inf"):
         raise SpecError(Loc(f"--tolerance {args.tolerance}"), "must be a positive number")
     tps = _int_list(args.tp_list, "--tp")
+    cps = _int_list(args.cp_list, "--cp")
+    comms = {"auto": ["auto"], "p2p": ["p2p"], "all_gather": ["all_gather"], "both": ["p2p", "all_gather"]}[
+        args.cp_comm_mode]
     sps = {"on": [True], "off": [False], "both": [False, True]}[args.sp_mode]
     located = overrides_from(args)
     overrides = {key: value for key, value, _ in located}
     from .frontend.model import Settings
     from .pipeline import load_and_compile
 
-    for tp in tps:  # a bad spec or setting fails here, in one line, before any rank starts
-        for sp in sps if tp > 1 else [False]:
-            load_and_compile(args.spec, Settings(tp=tp, sp=sp, micro_batch_size=args.batch, dtype="fp32"), located)
+    for cp in cps:  # a bad spec or setting fails here, in one line, before any rank starts
+        for tp in tps:
+            for sp in sps if tp > 1 else [False]:
+                load_and_compile(args.spec, Settings(tp=tp, sp=sp, cp=cp, micro_batch_size=args.batch, dtype="fp32"),
+                                 located)
     from runtime.verify import MUTATIONS, RankFailure, VerifyConfig, format_table, verify  # imports torch: only now
 
     if args.mutate is not None and args.mutate not in MUTATIONS:
@@ -277,8 +282,9 @@ def cmd_verify(args) -> int:
 
     cfg = VerifyConfig(spec=args.spec, tps=sorted(set([1] + tps)), sps=sps, steps=args.steps, seed=args.seed,
                        batch=args.batch, overrides=overrides, tolerance=args.tolerance, mutate=args.mutate,
-                       tp_invariant_dropout=args.tp_invariant_dropout)
-    print(f"specc verify {args.spec}: tp {','.join(map(str, cfg.tps))}, sp {args.sp_mode}, {cfg.steps} steps, "
+                       tp_invariant_dropout=args.tp_invariant_dropout, cps=sorted(set([1] + cps)), cp_comm_types=comms)
+    cp_text = f", cp {','.join(map(str, cfg.cps))} ({args.cp_comm_mode})" if max(cfg.cps) > 1 else ""
+    print(f"specc verify {args.spec}: tp {','.join(map(str, cfg.tps))}{cp_text}, sp {args.sp_mode}, {cfg.steps} steps, "
           f"batch {cfg.batch}, seed {cfg.seed}" + (f", MUTATION {cfg.mutate}" if cfg.mutate else ""), flush=True)
     try:
         rows = verify(cfg)
@@ -357,6 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tp", dest="tp_list", default="1,2,4", metavar="N,N", help="TP sizes to check (default 1,2,4)")
     c.add_argument("--sp", dest="sp_mode", choices=("on", "off", "both"), default="both",
                    help="sequence parallelism (default both)")
+    c.add_argument("--cp", "--context-parallel-size", dest="cp_list", default="1", metavar="N,N",
+                   help="context-parallel sizes to check, each with every TP size (default 1)")
+    c.add_argument("--cp-comm-type", dest="cp_comm_mode", choices=("auto", "p2p", "all_gather", "both"),
+                   default="both", help="attention over CP: the cost model's choice, one, or both (default both)")
     c.add_argument("--steps", type=int, default=2, metavar="K", help="optimizer steps compared (default 2)")
     c.add_argument("--seed", type=int, default=1234)
     c.add_argument("--batch", type=int, default=2, metavar="B", help="micro-batch size (default 2)")

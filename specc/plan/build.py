@@ -137,19 +137,20 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
             c["bytes"] += nbytes
     params, seen = 0, set()
     partial = {axis: 0 for axis in graph.mesh.active}
+    partial_seen: set = set()  # (module, weight, axis): a row-parallel bias is the linear's and its bias_add's
     for op in graph.iter_ops():
         kind = OPS[op.kind]
         key = op.id.split("#")[0]
         if key in seen:  # an op called twice shares its weights
             continue
         seen.add(key)
-        for w in kind.weights(op.attrs) + kind.shared_weights(op.attrs):
-            n = numel(w.shape) // (settings.tp if w.shard_dim is not None else 1)
-            if w in kind.weights(op.attrs):
-                params += n
+        owned = kind.weights(op.attrs)
+        params += sum(numel(w.shape) // (settings.tp if w.shard_dim is not None else 1) for w in owned)
+        for w in owned + kind.shared_weights(op.attrs):
             for axis, names in op.partial_grads.items():
-                if w.name in names:
-                    partial[axis] += n
+                if w.name in names and (op.scope, kind.owner(op), w.name, axis) not in partial_seen:
+                    partial_seen.add((op.scope, kind.owner(op), w.name, axis))
+                    partial[axis] += numel(w.shape) // (settings.tp if w.shard_dim is not None else 1)
     sync_axes = {axis: n for axis, n in partial.items() if n}
     grad_sync = {"all_reduce": {"count": len(sync_axes), "bytes": sum(sync_axes.values()) * 4}}
     saved, seen_saved, per_layer = 0, set(), {}
