@@ -425,9 +425,16 @@ def main(argv=None) -> int:
 def write_doc(path, shape, text, elapsed):
     machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
                f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only (gloo)'}")
+    doc = DOC.format(shape=shape, table=text, machine=machine, elapsed=elapsed, date=datetime.date.today().isoformat())
+    rest = ""  # the sections other benchmarks write after this one (bench/cp_step.py's) stay
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            old = f.read()
+        own = old.find("\n## Training step:")
+        after = old.find("\n## ", own + 1) if own >= 0 else -1
+        rest = old[after + 1:] if after >= 0 else ""
     with open(path, "w", encoding="utf-8") as f:
-        f.write(DOC.format(shape=shape, table=text, machine=machine, elapsed=elapsed,
-                           date=datetime.date.today().isoformat()))
+        f.write(doc + ("\n" + rest if rest else ""))
 
 
 DOC = """# Benchmarks
