@@ -36,6 +36,8 @@ MUTATIONS = {
     "drop-partial-grad": "forget the TP all-reduce of the first tp-partial gradient (e.g. an SP norm weight)",
     "one-slab-segments": "shard a fused weight (QKV, gate+up) as one slab instead of per segment",
     "drop-reduction": "replace the first reduction of partial sums by a plain split (a missing all-reduce)",
+    "drop-cp-partial-grad": "forget the CP all-reduce of the first cp-partial gradient (a parameter used on "
+                            "context-parallel chunks)",
     "bias-on-every-rank": "add the first one-rank bias to the partial sums on every rank (its gradient still "
                           "taken once): right while the bias is zero, as in the initial weights",
 }
@@ -74,6 +76,8 @@ def mutate_source(source: str, mutation: str):
     """(broken source, whether the mutation found something to break)."""
     if mutation == "drop-partial-grad":
         out, n = re.subn(r"^\s*runtime\.mark_tp_partial_grad\(.*\n", "", source, count=1, flags=re.M)
+    elif mutation == "drop-cp-partial-grad":
+        out, n = re.subn(r'^\s*runtime\.mark_partial_grad\(.*"cp".*\n', "", source, count=1, flags=re.M)
     elif mutation == "one-slab-segments":
         out, n = re.subn(r", segments=\[[0-9, ]+\]", "", source, count=1)
     elif mutation == "drop-reduction":
