@@ -52,3 +52,24 @@ def test_tp2_cp2_trains_and_its_checkpoint_loads_at_tp1_cp1_with_the_same_valida
     # The same weights, per-token losses summed in another order (TP shards, CP chunks): a few
     # float32 roundings of ~1e-7 relative each.
     assert loaded["loss"] == pytest.approx(saved["loss"], rel=1e-5)
+
+
+def test_the_context_parallel_flags_and_their_errors(specc, corpus, tmp_path):
+    from runtime.train.main import check, config_from_args
+    from specc.commands.train import build_rank_parser
+
+    # `torchrun -m runtime.train` takes the same flags; the spec compiles for the CP size
+    args = build_rank_parser().parse_args([GPT_TINY, "--cp", "2", "--cp-comm-type", "all_gather", "--data-path",
+                                           corpus, "--run-dir", str(tmp_path / "never")])
+    cfg = config_from_args(args)
+    spec = check(cfg, world_size=4)
+    assert (cfg.parallel.cp, cfg.parallel.cp_comm_type, cfg.parallel.dp) == (2, "all_gather", 2)
+    assert spec.config["seq_length"] == 32
+    run_dir = tmp_path / "never"
+    code, _, err = specc("train", GPT_TINY, "--nproc-per-node", "2", "--context-parallel-size", "2", "--seq-length",
+                         "30", "--data-path", corpus, "--run-dir", run_dir)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "not divisible by 2 x context-parallel size 2" in err
+    code, _, err = specc("train", GPT_TINY, "--cp-comm-type", "p2p", "--data-path", corpus, "--run-dir", run_dir)
+    assert (code, err) == (2, "error: --cp-comm-type has no effect without context parallelism (add "
+                              "--context-parallel-size N, or drop --cp-comm-type)\n")
+    assert not run_dir.exists()
