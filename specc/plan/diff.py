@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 
 from ..errors import Loc, SpecError
@@ -27,6 +28,21 @@ def load_side(path: str, flags: str) -> dict:
         return data
     if path.endswith(".txt"):
         raise SpecError(Loc(path), "text plans are for people; diff a spec or a plan.json", "`specc plan SPEC --json > plan.json`")
+    if os.path.isdir(path):  # a generated folder: rebuilt from what its model.py records (SETTINGS)
+        if flags:
+            raise SpecError(Loc(path), "flags apply to specs, not to a generated folder (it records its own)")
+        from ..emit.recipe import command_of, overrides_of, read_recipe, settings_of
+        from ..pipeline import load_and_compile
+        from . import build_plan
+
+        model = os.path.join(path, "model.py")
+        if not os.path.isfile(model):
+            raise SpecError(Loc(path), "holds no model.py", "diff a spec, a plan.json or a folder `specc compile` wrote")
+        recipe = read_recipe(model)
+        _, graph = load_and_compile(recipe["spec"], settings_of(recipe), overrides_of(recipe))
+        data = plan_dict(build_plan(graph))
+        data["_label"] = f"{path} ({command_of(recipe)})"
+        return data
     from ..cli import build_parser, compile_args
 
     try:

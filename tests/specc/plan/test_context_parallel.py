@@ -81,3 +81,16 @@ def test_cp1_plans_match_the_single_axis_text(compiled):
     """At CP=1 layouts print as before the mesh redesign: one bare placement per value."""
     _, g = compiled("gpt-tiny.yaml", tp=2, sp=True)
     assert all("/" not in str(lay) for op in g.iter_ops() for lay in op.in_layouts + op.out_layouts)
+
+
+def test_diff_rebuilds_generated_folders_from_their_recorded_settings(capsys, monkeypatch):
+    import os
+
+    from specc.cli import main
+
+    monkeypatch.chdir(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+    assert main(["diff", "generated/gpt_tp2_sp", "generated/gpt_tp2_sp_cp2"]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "--- generated/gpt_tp2_sp (specc compile specs/gpt.yaml --tp 2 --sp)"
+    assert "settings: cp 1 -> 2" in out
+    assert main(["diff", "generated/gpt_tp2_sp", "generated/gpt_tp2_sp"]) == 0
