@@ -106,6 +106,8 @@ class ColumnParallelLinear(nn.Module):
     `segments` are FULL output sizes (e.g. [q, k, v] or [gate, up]); each is sharded
     on its own, so the local weight is [q/t | k/t | v/t] rather than a slice of the
     fused slab. `weight` shares an existing parameter (tied output layer).
+    `replicated=True`: a plain linear (a spec's `parallel: none`) whose whole weight every
+    rank holds; its parameters are recorded as replicated, whatever the TP size.
     """
 
     def __init__(
@@ -119,10 +121,14 @@ class ColumnParallelLinear(nn.Module):
         input_mode: str = "none",
         init_std: float = 0.02,
         weight: nn.Parameter | None = None,
+        replicated: bool = False,
     ):
         super().__init__()
         if input_mode not in _INPUT_MODES:
             raise ValueError(f"input_mode must be one of {_INPUT_MODES}, got {input_mode!r}")
+        if replicated and (tp.size != 1 or input_mode != "none"):
+            raise ValueError("a replicated linear takes tp=Group.single('tp') and no input_mode")
+        self.replicated = replicated
         segments = tuple(int(s) for s in (segments if segments is not None else [out_features]))
         if sum(segments) != out_features:
             raise ValueError(f"segments {list(segments)} sum to {sum(segments)}, not out_features={out_features}")
@@ -134,14 +140,15 @@ class ColumnParallelLinear(nn.Module):
 
         if weight is None:
             self.weight = nn.Parameter(torch.empty(local_out, in_features))
-            tag_parameter(self.weight, "normal", tp=tp, std=init_std,
-                          full_shape=(out_features, in_features), shard_dim=0, segments=segments)
+            tag_parameter(self.weight, "normal", tp=tp, std=init_std, full_shape=(out_features, in_features),
+                          **({} if replicated else {"shard_dim": 0, "segments": segments}))
         else:
             self._check_shared_weight(weight, local_out)
             self.weight = weight
         if bias:
             self.bias = nn.Parameter(torch.empty(local_out))
-            tag_parameter(self.bias, "zeros", tp=tp, full_shape=(out_features,), shard_dim=0, segments=segments)
+            tag_parameter(self.bias, "zeros", tp=tp, full_shape=(out_features,),
+                          **({} if replicated else {"shard_dim": 0, "segments": segments}))
         else:
             self.register_parameter("bias", None)
 
@@ -152,7 +159,9 @@ class ColumnParallelLinear(nn.Module):
                 f"(local shard of [{self.out_features}, {self.in_features}] at tp={self.tp.size})"
             )
         meta = getattr(weight, "_specc_init", None)
-        if meta is not None and (meta.shard_dim != 0 or meta.segments != self.segments):
+        if meta is not None and self.replicated and meta.shard_dim is not None:
+            raise ValueError(f"shared weight is sharded on dim {meta.shard_dim}; a replicated linear needs a replicated one")
+        if meta is not None and not self.replicated and (meta.shard_dim != 0 or meta.segments != self.segments):
             raise ValueError(
                 f"shared weight is sharded on dim {meta.shard_dim} with segments {list(meta.segments)}, "
                 f"expected dim 0 with segments {list(self.segments)}"
@@ -166,7 +175,8 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, "
-                f"segments={list(self.segments)}, input_mode={self.input_mode}")
+                f"segments={list(self.segments)}, input_mode={self.input_mode}"
+                + (", replicated" if self.replicated else ""))
 
 
 class RowParallelLinear(nn.Module):

@@ -125,6 +125,8 @@ class Linear(OpKind):
             kw.append(f'input_mode="{node.absorbed[0].mode}"')
         if node.tied_to:
             kw.append(f"weight={ctx.tied_expr}")
+        if mode == "none":  # every rank holds the whole weight: recorded as replicated at any TP size
+            kw.append("replicated=True")
         return f"runtime.{te}ColumnParallelLinear({', '.join(args + kw)}, tp={tp}, init_std={a['init_std']!r})"
 
     def call(self, node, args, ctx):
