@@ -54,6 +54,28 @@ def gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     return stacked.movedim(0, -2).reshape(*x.shape[:-1], group.size * x.shape[-1])
 
 
+def split_last_segments(x: torch.Tensor, group: Group, segments) -> torch.Tensor:
+    """This rank's slice of every segment of the last dim (full sizes `segments`, e.g. a fused
+    [q | k | v]), concatenated: [q_r | k_r | v_r], as a segmented column-parallel GEMM makes it."""
+    if sum(segments) != x.shape[-1]:
+        raise ValueError(f"segments {list(segments)} do not sum to the last dim {x.shape[-1]}")
+    for n in segments:
+        _check_divisible(n, group, "a segment of the last dim")
+    return torch.cat([p.chunk(group.size, dim=-1)[group.rank] for p in x.split(list(segments), dim=-1)],
+                     dim=-1).contiguous()
+
+
+def gather_last_segments(x: torch.Tensor, group: Group, segments) -> torch.Tensor:
+    """The inverse of split_last_segments: each rank holds [q_r | k_r | v_r]; the full value is
+    [q_0 .. q_t-1 | k_0 .. | v_0 ..] (one all-gather, then the segments put back in order)."""
+    local = [n // group.size for n in segments]
+    if sum(local) != x.shape[-1]:
+        raise ValueError(f"local segments {local} do not sum to the last dim {x.shape[-1]}")
+    stacked = gather_dim0(x, group).view(group.size, *x.shape)  # [t, ..., h/t]
+    parts = [p.movedim(0, -2).reshape(*x.shape[:-1], group.size * n) for p, n in zip(stacked.split(local, dim=-1), local)]
+    return torch.cat(parts, dim=-1)
+
+
 def _check_divisible(n: int, group: Group, what: str) -> None:
     if n % group.size != 0:
         raise ValueError(
@@ -122,26 +144,34 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
         return gather_dim0(grad, ctx.group), None
 
 
+def _gather_last(x, group, segments):
+    return gather_last(x, group) if segments is None else gather_last_segments(x, group, segments)
+
+
+def _split_last(x, group, segments):
+    return split_last(x, group) if segments is None else split_last_segments(x, group, segments)
+
+
 class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return gather_last(x, group)
+    def forward(ctx, x, group, segments):
+        ctx.group, ctx.segments = group, segments
+        return _gather_last(x, group, segments)
 
     @staticmethod
     def backward(ctx, grad):
-        return split_last(grad, ctx.group), None
+        return _split_last(grad, ctx.group, ctx.segments), None, None
 
 
 class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_last(x, group)
+    def forward(ctx, x, group, segments):
+        ctx.group, ctx.segments = group, segments
+        return _split_last(x, group, segments)
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_last(grad, ctx.group), None
+        return _gather_last(grad, ctx.group, ctx.segments), None, None
 
 
 # ---------------------------------------------------------------------------
@@ -186,18 +216,20 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.
     return _ScatterToSequenceParallelRegion.apply(x, group)
 
 
-def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """S(h) -> I: forward all-gather the last dim, backward split the last dim."""
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: Group, segments=None) -> torch.Tensor:
+    """S(h) -> I: forward all-gather the last dim, backward split the last dim. `segments`: the
+    full sizes of a fused value's parts (e.g. [q, k, v]), each sharded on its own."""
     if group.size == 1:
         return x
-    return _GatherFromTensorModelParallelRegion.apply(x, group)
+    return _GatherFromTensorModelParallelRegion.apply(x, group, tuple(segments) if segments else None)
 
 
-def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """I -> S(h): forward split the last dim, backward all-gather the last dim."""
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: Group, segments=None) -> torch.Tensor:
+    """I -> S(h): forward split the last dim, backward all-gather the last dim; `segments` as
+    for the gather (each rank keeps its slice of every segment)."""
     if group.size == 1:
         return x
-    return _ScatterToTensorModelParallelRegion.apply(x, group)
+    return _ScatterToTensorModelParallelRegion.apply(x, group, tuple(segments) if segments else None)
 
 
 # ---------------------------------------------------------------------------

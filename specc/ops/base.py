@@ -82,6 +82,7 @@ class OpKind:
     n_outputs = 1
     impls = ("native",)
     nonlinear = False  # a partial sum must never reach it
+    any_cut = False  # works feature by feature on S(h): a shard cut by segments will do (elementwise ops)
 
     # -- checks and shapes -------------------------------------------------------------
     def check(self, attrs: dict, locs: dict, ctx: Ctx) -> None:
@@ -132,7 +133,8 @@ class OpKind:
     # -- what ops do to fused segments and sequence dims -------------------------------------
     def input_segments(self, attrs: dict, shapes: list) -> tuple:
         """How a sharded input's last dim must be cut into segments for this op to be right on
-        S(h) (a split cuts on its sections; a gated unit on its halves); () if any cut will do."""
+        S(h) (a split cuts on its sections; a gated unit on its halves); () for one slab, or
+        any cut where `any_cut` says so."""
         return ()
 
     def out_segments(self, attrs: dict, in_segments: list) -> tuple:

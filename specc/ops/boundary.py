@@ -15,6 +15,7 @@ class BoundaryOp(OpKind):
     name = "boundary"
     doc = "A layout conversion on one mesh axis (made by the compiler, not written in specs)."
     internal = True
+    any_cut = True
 
     @staticmethod
     def boundary(node):
@@ -29,6 +30,13 @@ class BoundaryOp(OpKind):
             return LayoutRule(fixed_inputs=(attrs["src"],), fixed_outputs=(attrs["dst"],))
         # other axes pass through: whatever arrives leaves
         return LayoutRule(allowed=("I", "R", "S(s)", "S(h)", "P"), accepts_reduction=True, partial_ok=True)
+
+    def undoes(self, node, earlier) -> bool:
+        """True when `node` converts back exactly what boundary `earlier` converted (X -> Y -> X on
+        one axis, an S(h) shard cut the same way both times)."""
+        mine, theirs = self.boundary(earlier), self.boundary(node)
+        return (theirs.axis == mine.axis and theirs.dst == mine.src and theirs.src == mine.dst
+                and node.attrs.get("segments", ()) == earlier.attrs.get("segments", ()))
 
     def partial_grad_weights(self, node, axis, placement):
         return []
@@ -60,4 +68,6 @@ class BoundaryOp(OpKind):
         extra = f", {b.kwargs}" if b.kwargs else ""
         if b.seq_dim_kwarg:
             extra += f", dim={node.attrs['seq_dim']}"
+        if node.attrs.get("segments"):
+            extra += f", segments={list(node.attrs['segments'])}"
         return f"mappings.{b.function}({args[0]}, self.{b.axis}{extra})"

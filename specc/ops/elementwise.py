@@ -20,12 +20,16 @@ class Add(OpKind):
     doc = "Sum of two or more values (written `a + b` in a forward step)."
     n_inputs = (2, 64)
     builtin = True
+    any_cut = True
 
     def out_shapes(self, attrs, shapes, fail):
         return _same_shapes(shapes, fail)
 
     def rule_tp(self, attrs, ctx):
         return LayoutRule(allowed=_NOT_P, accepts_reduction=True, partial_ok=True)
+
+    def out_segments(self, attrs, in_segments):
+        return in_segments[0] if in_segments else ()  # elementwise: the inputs' common cut
 
     def call(self, node, args, ctx):
         return " + ".join(args)
@@ -37,6 +41,7 @@ class Mul(OpKind):
     n_inputs = (2, 2)
     builtin = True
     nonlinear = True
+    any_cut = True
 
     def out_shapes(self, attrs, shapes, fail):
         return _same_shapes(shapes, fail)
@@ -44,12 +49,16 @@ class Mul(OpKind):
     def saved_bytes(self, node, local_in, local_out, elt):
         return [(v, numel(s) * elt) for v, s in zip(node.inputs, local_in)]
 
+    def out_segments(self, attrs, in_segments):
+        return in_segments[0] if in_segments else ()  # elementwise: the inputs' common cut
+
     def call(self, node, args, ctx):
         return f"{args[0]} * {args[1]}"
 
 
 class _Activation(OpKind):
     nonlinear = True
+    any_cut = True
     function = ""
 
     def out_segments(self, attrs, in_segments):
@@ -98,6 +107,7 @@ class Dropout(OpKind):
     name = "dropout"
     doc = "Dropout; in sharded regions each rank draws its own mask (Megatron's RNG tracker)."
     attrs = (Attr("p", "float", default=0.0, minimum=0.0),)
+    any_cut = True
 
     def check(self, attrs, locs, ctx):
         if attrs["p"] >= 1.0:
@@ -127,6 +137,7 @@ class Split(OpKind):
     doc = "Split the last dim into sections (e.g. a fused QKV output into q, k, v)."
     attrs = (Attr("sections", "int_list", required=True),)
     nonlinear = True  # keeps reductions out of the middle of attention
+    any_cut = True  # with one section it is the identity; with more it declares its cut
 
     def out_count(self, attrs):
         return len(attrs["sections"])

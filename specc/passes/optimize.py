@@ -40,13 +40,10 @@ def cancel_inverses(g: Graph) -> None:
     for op in list(g.iter_ops()):
         if op.id not in g.ops or not _is_conversion(op):
             continue
-        mine = OPS[op.kind].boundary(op)
         for user in g.users(op.outputs[0]):
             if not _is_conversion(user):
                 continue
-            theirs = OPS[user.kind].boundary(user)
-            if theirs.axis == mine.axis and theirs.dst == mine.src and theirs.src == mine.dst \
-                    and user.outputs[0] not in g.outputs:
+            if OPS[user.kind].undoes(user, op) and user.outputs[0] not in g.outputs:
                 g.replace_all_uses_with(user.outputs[0], op.inputs[0])
                 g.erase_op(user.id)
         if not g.consumers(op.outputs[0]):

@@ -93,9 +93,10 @@ def _type_axis(g: Graph, op: Op, ctx: Ctx, converted: dict):
     target = _join(g, op, rule, [layouts[i] for i in joined], [op.inputs[i] for i in joined], ctx) if joined else None
     for i in joined:
         need[i] = target
+    cut = _wanted_cut(g, op, layouts, joined) if SH in need else ()
     for i, want in enumerate(need):
         if layouts[i] != want:
-            _convert_input(g, op, i, want, converted, ctx)
+            _convert_input(g, op, i, want, converted, ctx, cut if want == SH else ())
     outs = list(rule.fixed_outputs) if rule.fixed_outputs else [target] * len(op.outputs)
     return need, outs
 
@@ -175,7 +176,7 @@ def _join(g: Graph, op: Op, rule, layouts: list, values: list, ctx: Ctx) -> str:
     for cand in (ctx.home,) + tuple(p for p in PREFERENCE if p != ctx.home) + ((P,) if rule.partial_ok and P in layouts else ()):
         if cand not in rule.allowed and cand != P:
             continue
-        if cand == SH and len({_cut(g.values[v]) for v in values}) > 1:
+        if cand == SH and len({_cut(g.values[v]) for v, lay in zip(values, layouts) if lay == SH}) > 1:
             continue  # shards cut on different segments hold different features: they do not line up
         onward = None if rule.fixed_outputs else conversion_path(axis, cand, ahead)
         cost = sum(_cost(b, g.values[values[0]].shape) for b in onward) if onward else 0
@@ -198,6 +199,21 @@ def _join(g: Graph, op: Op, rule, layouts: list, values: list, ctx: Ctx) -> str:
 def _cut(value: Value) -> tuple:
     """How an S(h) shard of `value` is cut: by its segments, or () for one slab."""
     return tuple(value.segments) if len(value.segments) > 1 else ()
+
+
+def _wanted_cut(g: Graph, op: Op, layouts: list, joined: list) -> tuple:
+    """How `op`'s inputs scattered to S(h) must be cut: by the segments the op declares (a split
+    on its sections), else as its joined inputs already on S(h) are cut, else as one slab."""
+    declared = OPS[op.kind].input_segments(op.attrs, [g.values[v].shape for v in op.inputs])
+    if len(declared) > 1:
+        return tuple(declared)
+    have = {_cut(g.values[op.inputs[i]]) for i in joined if layouts[i] == SH}
+    return have.pop() if len(have) == 1 else ()
+
+
+def _key(vid: str, axis: str, want: str, scope: str, cut: tuple = ()) -> tuple:
+    """The conversion cache's key: a value made `want` in `scope` (S(h) cut by segments: per cut)."""
+    return (vid, axis, want, scope) + ((cut,) if cut else ())
 
 
 def _cost(boundary, shape) -> int:
@@ -227,11 +243,11 @@ def _regroup_partial_sums(g: Graph, op: Op, layouts: list, ctx: Ctx, converted: 
     return True
 
 
-def _convert_input(g: Graph, op: Op, index: int, want: str, converted: dict, ctx: Ctx) -> None:
+def _convert_input(g: Graph, op: Op, index: int, want: str, converted: dict, ctx: Ctx, cut: tuple = ()) -> None:
     axis = ctx.axis
     vid = op.inputs[index]
     value = g.values[vid]
-    key = (vid, axis, want, op.scope)
+    key = _key(vid, axis, want, op.scope, cut)
     if key in converted:  # a conversion already made for another consumer in this module
         g.replace_input(op, index, converted[key])
         return
@@ -240,14 +256,15 @@ def _convert_input(g: Graph, op: Op, index: int, want: str, converted: dict, ctx
         producer = g.ops[value.producer].id if value.producer else value.name
         raise SpecError(op.loc, f"cannot type {op.id}: input '{value.name}' from {producer} has layout {have} on {axis}, "
                         f"but {op.kind} needs {want}; no boundary converts {have} to {want}")
-    current = _insert_path(g, value, axis, want, op.scope, before=op.id, ctx=ctx, converted=converted, at=op)
+    current = _insert_path(g, value, axis, want, op.scope, before=op.id, ctx=ctx, converted=converted, at=op, cut=cut)
     g.replace_input(op, index, current)
 
 
 def _insert_path(g: Graph, value: Value, axis: str, want: str, scope: str, before, ctx: Ctx, converted: dict,
-                 at: Op = None) -> str:
+                 at: Op = None, cut: tuple = ()) -> str:
     """Insert the boundaries from value's placement on `axis` to `want` before op `before`; the
-    last value's id."""
+    last value's id. A gather from S(h) puts a fused value's segments back in order; a scatter to
+    S(h) cuts as `cut` says (segment by segment, or () as one slab)."""
     anchor = at or g.ops[value.producer]
     current = value
     label = _local_name(g, value, scope)
@@ -255,23 +272,24 @@ def _insert_path(g: Graph, value: Value, axis: str, want: str, scope: str, befor
         tag = f"{boundary.src}->{boundary.dst}" if axis == "tp" else f"{axis}:{boundary.src}->{boundary.dst}"
         bid = g.unique_id(f"{scope + '.' if scope else ''}{label}:{tag}")
         layout_in = current.layout
+        step_cut = cut if boundary.dst == SH else _cut(current) if boundary.src == SH else ()
+        segments = step_cut if boundary.dst == SH else current.segments
         out = g.add_value(Value(bid, current.name, current.shape, current.dtype, bid, layout_in.with_(axis, boundary.dst),
-                                current.segments, current.seq_dim))
+                                segments, current.seq_dim))
         # token ids and labels carry no gradient: their boundaries issue nothing in backward
         attrs = {"axis": axis, "src": boundary.src, "dst": boundary.dst, "grad": current.dtype in ("act", "float32")}
         if boundary.seq_dim_kwarg:
             attrs["seq_dim"] = current.seq_dim
-        if SH in (boundary.src, boundary.dst) and len(current.segments) > 1:
-            # a fused value's S(h) shard holds a slice of every segment: gather and scatter by segment
-            attrs["segments"] = tuple(current.segments)
+        if step_cut:  # each rank's S(h) shard holds a slice of every segment
+            attrs["segments"] = step_cut
         b = Op(bid, "boundary", attrs, [current.id], [out.id], scope, g.scopes[scope], None, anchor.step, anchor.loc,
                impl="native", in_layouts=[layout_in], out_layouts=[out.layout])
         with g.inserting_before(before):
             g.insert_op(b)
         _check_divisible(g, b, out, ctx)
-        converted[(current.id, axis, boundary.dst, scope)] = out.id
+        converted[_key(current.id, axis, boundary.dst, scope, step_cut if boundary.dst == SH else ())] = out.id
         current = out
-    converted[(value.id, axis, want, scope)] = current.id
+    converted[_key(value.id, axis, want, scope, cut if want == SH else ())] = current.id
     return current.id
 
 
@@ -315,13 +333,20 @@ def _check_divisible(g: Graph, op: Op, value: Value, ctx: Ctx) -> None:
 
 
 def _check_segments(g: Graph, op: Op) -> None:
-    """Fused weights are sharded per segment; ops that cut such a value must cut on segments."""
-    if not op.in_layouts or op.in_layouts[0]["tp"] != SH:
-        return
-    value = g.values[op.inputs[0]]
-    want = OPS[op.kind].input_segments(op.attrs, [value.shape])
-    if len(want) > 1 and value.segments != want:
-        have = list(value.segments) if value.segments else "one slab"
-        raise SpecError(op.loc, f"{op.id}: splits its input into {list(want)}, but the tensor-parallel shards of "
-                        f"'{value.name}' are cut as {have}",
-                        f"declare segments: {list(want)} on the linear that makes it, so each rank holds a slice of every part")
+    """Fused weights are sharded per segment; ops that cut such a value must cut on segments, and
+    ops that read an S(h) value as one slab (a row-parallel GEMM, attention heads) must get one."""
+    kind = OPS[op.kind]
+    for vid, layout in zip(op.inputs, op.in_layouts):
+        if layout["tp"] != SH:
+            continue
+        value = g.values[vid]
+        want = kind.input_segments(op.attrs, [g.values[v].shape for v in op.inputs])
+        if len(want) > 1 and value.segments != want:
+            have = list(value.segments) if value.segments else "one slab"
+            raise SpecError(op.loc, f"{op.id}: splits its input into {list(want)}, but the tensor-parallel shards of "
+                            f"'{value.name}' are cut as {have}",
+                            f"declare segments: {list(want)} on the linear that makes it, so each rank holds a slice of every part")
+        if len(want) <= 1 and not kind.any_cut and _cut(value):
+            raise SpecError(op.loc, f"{op.id}: {kind.name} reads '{value.name}' sharded over tensor-parallel ranks as one "
+                            f"slab of its last dim, but its shards are cut by segments {list(value.segments)}",
+                            "split the value into its segments first, or drop segments: from the linear that makes it")

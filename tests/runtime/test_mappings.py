@@ -92,6 +92,23 @@ def _check_all_mappings(rank, world):
     close(y, cols(full, rank, world))
     close(dx, grad_full)
 
+    # Fused values ([q | k | v], segments of full sizes): each rank holds a slice of every segment.
+    segs = [8, 4]  # uneven, each divisible by 2 and 4
+    assert sum(segs) == H
+
+    def by_segment(x):
+        return torch.cat([cols(p, rank, world) for p in x.split(segs, dim=-1)], dim=-1)
+
+    assert not torch.equal(by_segment(full), cols(full, rank, world))  # the cut matters
+    y, dx = run_boundary(lambda x: m.gather_from_tensor_model_parallel_region(x, g, segments=segs),
+                         by_segment(full), grad_full)
+    close(y, full)
+    close(dx, by_segment(grad_full))
+    y, dx = run_boundary(lambda x: m.scatter_to_tensor_model_parallel_region(x, g, segments=segs),
+                         full, by_segment(grad_full))
+    close(y, by_segment(full))
+    close(dx, grad_full)
+
 
 def _check_inputs_and_shared_grads_untouched(rank, world):
     g = world_group(rank, world)

@@ -104,7 +104,7 @@ def check_typed(graph) -> None:
             if src and OPS[graph.ops[src].kind].converts():
                 prev = OPS[graph.ops[src].kind].boundary(graph.ops[src])
                 if prev.axis == b.axis:
-                    assert (prev.src, prev.dst) != (b.dst, b.src), f"{op.id} undoes {src}"
+                    assert not kind.undoes(op, graph.ops[src]), f"{op.id} undoes {src}"
                     assert conversion_path(b.axis, prev.src, b.dst) != [], f"{src} then {op.id} is a no-op"
             assert graph.consumers(op.outputs[0]), f"{op.id} converts a value nobody reads"
             continue
