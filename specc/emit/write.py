@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import os
 import shutil
@@ -38,9 +39,23 @@ def compile_to_dir(spec, graph, root: str, command: str, name: str | None = None
     name = name or default_name(spec)
     if not name.isidentifier():
         raise SpecError(Loc("--name"), f"'{name}' is not a valid Python identifier", "the folder must be importable")
-    check_replaceable(os.path.join(root, name))  # refuse before the work, and again under the lock
+    target = os.path.join(root, name)
+    try:  # refuse before the work when we can; the decision that counts is made under the lock
+        check_replaceable(target)
+    except SpecError:
+        with _locked_if_exists(root):  # another writer may have been swapping the folder as we looked
+            check_replaceable(target)
     files = render_all(spec, graph, command, recipe)  # everything rendered before anything is written
     return write_output(root, name, files)
+
+
+@contextlib.contextmanager
+def _locked_if_exists(root: str):
+    if os.path.isdir(root):
+        with locked_folder(root):
+            yield
+    else:
+        yield
 
 
 def write_output(root: str, name: str, files: dict) -> str:
