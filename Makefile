@@ -30,7 +30,7 @@ test: lint check
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check specc runtime tests bench compile.py
+	$(BIN)/ruff check specc runtime specc_torch tests bench compile.py
 
 check: $(STAMP)
 	$(BIN)/python -m specc check generated

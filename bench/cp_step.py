@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_step import SavedBytes, make_batches, overrides  # noqa: E402
 
 import runtime  # noqa: E402
+import specc_torch  # noqa: E402
 
 SPEC = os.path.join(ROOT, "specs", "gpt.yaml")
 HEADING = "## Context parallelism: CP=2 vs CP=1"
@@ -84,7 +85,7 @@ def run_steps(model, pg, batches, steps):
 def bench_cp1(cfg):
     torch.set_num_threads(1)
     pg = runtime.ProcessGroups.single()
-    model = runtime.build_model(SPEC, pg, seed=cfg.seed, overrides=overrides(cfg), micro_batch_size=cfg.batch)
+    model = specc_torch.build_model(SPEC, pg, seed=cfg.seed, overrides=overrides(cfg), micro_batch_size=cfg.batch)
     return run_steps(model, pg, make_batches(cfg), cfg.steps)
 
 
@@ -94,7 +95,7 @@ def _cp_rank(rank, world, port, cfg, results):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
         pg = runtime.ProcessGroups.initialize(cp=world)
-        model = runtime.build_model(SPEC, pg, seed=cfg.seed, overrides=overrides(cfg), micro_batch_size=cfg.batch)
+        model = specc_torch.build_model(SPEC, pg, seed=cfg.seed, overrides=overrides(cfg), micro_batch_size=cfg.batch)
         results.put((rank, run_steps(model, pg, make_batches(cfg), cfg.steps)))
         pg.destroy()
     finally:

@@ -43,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import runtime  # noqa: E402
+import specc_torch  # noqa: E402
 from runtime.init import full_parameter  # noqa: E402
 
 SPEC = os.path.join(ROOT, "specs", "gpt.yaml")
@@ -290,7 +291,7 @@ def compiled_loss(model, batch):
 def bench_tp1(cfg):
     torch.set_num_threads(1)
     pg = runtime.ProcessGroups.single()
-    compiled = runtime.build_model(SPEC, pg, seed=cfg.seed, overrides=overrides(cfg), micro_batch_size=cfg.batch)
+    compiled = specc_torch.build_model(SPEC, pg, seed=cfg.seed, overrides=overrides(cfg), micro_batch_size=cfg.batch)
     eager = EagerGPT(cfg.vocab, cfg.hidden, cfg.layers, cfg.heads, cfg.seq, fused_qkv=True)
     load_from_compiled(eager, compiled, pg.tp)
     runners = [Runner("specc", compiled, compiled_loss, lambda: runtime.finalize_model_grads(compiled, pg)),
@@ -309,9 +310,9 @@ def _tp2_rank(rank, world, port, cfg, results):
         from torch.distributed.tensor.parallel import loss_parallel
 
         pg = runtime.ProcessGroups.initialize(tp=world)
-        compiled = runtime.build_model(SPEC, pg, seed=cfg.seed, sp=True, overrides=overrides(cfg),
+        compiled = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=True, overrides=overrides(cfg),
                                        micro_batch_size=cfg.batch)
-        reference = runtime.build_model(SPEC, runtime.ProcessGroups.single(), seed=cfg.seed, overrides=overrides(cfg),
+        reference = specc_torch.build_model(SPEC, runtime.ProcessGroups.single(), seed=cfg.seed, overrides=overrides(cfg),
                                         micro_batch_size=cfg.batch)  # the same full weights, for the eager copy
         eager = EagerGPT(cfg.vocab, cfg.hidden, cfg.layers, cfg.heads, cfg.seq, fused_qkv=False)
         load_from_compiled(eager, reference, runtime.ProcessGroups.single().tp)

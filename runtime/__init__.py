@@ -1,4 +1,7 @@
-"""specc runtime: what generated modules import to run tensor/sequence parallel."""
+"""specc runtime: what generated modules import to run tensor/sequence parallel.
+
+The base layer: nothing here imports the compiler (specc) or specc_torch, the layer above both
+that compiles specs in memory, verifies and launches training (tests/test_layering.py)."""
 
 from .activations import gelu, split, swiglu
 from .api import build_model
@@ -76,12 +79,11 @@ __all__ = [
     "finalize_model_grads",
 ]
 
-# Checkpoints (runtime.checkpoint) and Hugging Face interop (runtime.hf), imported on first use:
-# torch.distributed.checkpoint alone takes most of a second to import.
+# Checkpoints (runtime.checkpoint), imported on first use: torch.distributed.checkpoint alone
+# takes most of a second to import. (Hugging Face interop reads specs: specc_torch.hf.)
 _LAZY = {
     "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "latest_step": "checkpoint",
     "CheckpointError": "checkpoint", "ParamShard": "checkpoint", "RankLocal": "checkpoint",
-    "import_hf": "hf", "export_hf": "hf",
 }
 __all__ += list(_LAZY)
 
@@ -94,7 +96,8 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Training pieces: data-parallel gradient buckets, the (distributed) optimizer and its LR schedule.
-# The loop itself is runtime.train (setup_model_and_optimizer, train, train_step, evaluate).
+# The loop itself is runtime.train (setup_model_and_optimizer, train, train_step, evaluate); the
+# launcher that compiles the spec and runs it is specc_torch.train.
 from .ddp import DistributedDataParallel  # noqa: E402
 from .optim import Adam, LRSchedule  # noqa: E402
 

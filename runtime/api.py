@@ -1,9 +1,10 @@
-"""The public Python API: a compiled model for given settings and process groups, from a spec
-(compiled in memory) or from a generated directory, with TP-invariant weights from a seed.
+"""Loading generated modules: a model from a generated directory (`specc compile`'s output) for
+given process groups, with TP-invariant weights from a seed. Nothing here needs the compiler;
+a model from a spec file, compiled in memory, is `specc_torch.build_model`.
 
     import runtime
     pg = runtime.ProcessGroups.initialize(tp=2)            # after dist.init_process_group
-    model = runtime.build_model("specs/gpt-tiny.yaml", pg, seed=1234, sp=True)
+    model = runtime.build_model("generated/gpt_tp2_sp", pg, seed=1234)   # compiled at TP=2 with SP
     loss = model(tokens, labels).mean()
 """
 
@@ -16,24 +17,6 @@ import sys
 import types
 
 from .parallel_state import ProcessGroups
-
-
-def compile_source(spec_path: str, tp: int, sp: bool = False, backend: str = "auto", overrides=(),
-                   micro_batch_size: int = 1, dtype: str = "fp32", fuse: bool = True, cp: int = 1,
-                   cp_comm_type: str = "auto"):
-    """(model.py source, spec, graph) for a spec at these settings, compiled in memory."""
-    from specc.emit.emitter import emit_model
-    from specc.errors import Loc
-    from specc.frontend.model import Settings
-    from specc.pipeline import load_and_compile
-
-    settings = Settings(tp=tp, sp=sp and tp > 1, backend=backend, micro_batch_size=micro_batch_size, dtype=dtype,
-                        fuse=fuse, cp=cp, cp_comm_type=cp_comm_type if cp > 1 else "auto")
-    located = [(k, v, Loc(f"--set {k}={v}")) for k, v in dict(overrides).items()]
-    spec, graph = load_and_compile(spec_path, settings, located)
-    command = f"specc compile {spec_path} --tp {tp}" + (" --sp" if settings.sp else "") + (
-        f" --cp {cp}" if cp > 1 else "") + (f" --cp-comm-type {settings.cp_comm_type}" if settings.cp_comm_type != "auto" else "")
-    return emit_model(graph, command), spec, graph
 
 
 def load_module_from_source(source: str, name_hint: str = "specc_model") -> types.ModuleType:
@@ -62,14 +45,12 @@ def load_generated(directory: str) -> types.ModuleType:
     return module
 
 
-def build_model(source: str, pg: ProcessGroups | None = None, seed: int = 1234, sp: bool = False,
-                rng_tracker=None, **compile_kwargs):
-    """A model from a spec file (.yaml, compiled for pg's TP size) or a generated directory."""
+def build_model(source: str, pg: ProcessGroups | None = None, seed: int = 1234, *, rng_tracker=None):
+    """A model from a generated directory (its model.py), for pg's ranks."""
     pg = pg if pg is not None else ProcessGroups.single()
-    if os.path.isdir(source):
-        module = load_generated(source)
-    else:
-        compile_kwargs.setdefault("cp", pg.cp.size)
-        text, spec, _ = compile_source(source, pg.tp.size, sp, **compile_kwargs)
-        module = load_module_from_source(text, spec.name)
-    return module.build_model(pg, seed=seed, rng_tracker=rng_tracker)
+    if not os.path.isdir(source):
+        if source.endswith((".yaml", ".yml")):
+            raise ValueError(f"{source}: a spec file; runtime.build_model takes a generated directory (compiling a "
+                             f"spec needs the compiler: use specc_torch.build_model({source!r}, pg, ...))")
+        raise FileNotFoundError(f"{source}: no such generated directory")
+    return load_generated(source).build_model(pg, seed=seed, rng_tracker=rng_tracker)

@@ -29,7 +29,7 @@ def test_ci_runs_the_readme_test_command_which_lints_and_checks_generated_first(
         assert hits, f"`make test` does not run {pattern!r}:\n{dry.stdout}"
         return hits[0]
 
-    lint = where(r"ruff check specc runtime tests\b")
+    lint = where(r"ruff check specc runtime specc_torch tests\b")
     check = where(r"-m specc check generated\b")
     suite = where(r"-m pytest\b")
     assert lint < suite and check < suite  # fast failures first
@@ -37,7 +37,7 @@ def test_ci_runs_the_readme_test_command_which_lints_and_checks_generated_first(
 
 def _named_documents():
     """(file, line number, name) of every Markdown document the sources and docs name."""
-    tops = ["specc", "runtime", "bench", "docs"]
+    tops = ["specc", "runtime", "specc_torch", "bench", "docs"]
     files = ["README.md", "compile.py"]
     for top in tops:
         for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, top)):
@@ -60,7 +60,7 @@ def test_every_document_a_source_names_exists():
 
 
 def test_verify_docstring_names_the_optimizer_its_code_uses():
-    source = _read("runtime", "verify.py")
+    source = _read("specc_torch", "verify.py")
     doc = ast.get_docstring(ast.parse(source))
     used = set(re.findall(r"torch\.optim\.(\w+)\(", source))
     assert used, "verify no longer builds a torch optimizer: update this test"

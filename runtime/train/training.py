@@ -1,5 +1,6 @@
 """The training loop, Megatron's shape in small: setup_model_and_optimizer builds the compiled
-model, its DistributedDataParallel wrapper and the optimizer; train owns the iterations, logging,
+model (from the generated source and spec the caller compiled: specc_torch.train.compile_model),
+its DistributedDataParallel wrapper and the optimizer; train owns the iterations, logging,
 evaluation and checkpoints; train_step runs one global batch (gradient accumulation over
 micro-batches) through a forward_step function chosen per model type; evaluate averages the
 validation loss. The model definition (a compiled spec) and its parallelization (already in the
@@ -64,18 +65,12 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def compile_model(cfg: TrainConfig):
-    """(generated source, spec) for the configured spec at the configured parallel settings."""
-    source, spec, _ = api.compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=cfg.overrides,
-                                         micro_batch_size=cfg.micro_batch_size,
-                                         dtype="bf16" if cfg.bf16 else "fp32", cp=cfg.parallel.cp,
-                                         cp_comm_type=cfg.parallel.cp_comm_type)
-    return source, spec
-
-
-def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch.device | None = None) -> Setup:
+def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch.device | None = None, *,
+                              compiled: tuple) -> Setup:
+    """compiled: (generated model source, compiled spec) of cfg's spec at cfg's parallel settings
+    (specc_torch.train.compile_model(cfg)); the loop compiles nothing itself."""
     device = device or torch.device("cpu")
-    source, spec = compile_model(cfg)
+    source, spec = compiled
     module = api.load_module_from_source(source, spec.name)
     rng = RNGTracker(cfg.seed, pg.tp.rank, cp_rank=pg.cp.rank)  # CP ranks' tokens get their own masks
     model = module.build_model(pg, seed=cfg.seed, rng_tracker=rng).to(device)

@@ -38,7 +38,7 @@ def _common(c: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args) -> dict:
-    from ..cli import overrides_from
+    from ..args import overrides_from
 
     return {key: value for key, value, _ in overrides_from(args)}
 
@@ -51,7 +51,7 @@ def _user_error(e: Exception) -> SpecError:
 
 def cmd_import(args) -> int:
     from runtime.checkpoint import CheckpointError
-    from runtime.hf import HFError, import_hf
+    from specc_torch.hf import HFError, import_hf
 
     try:
         done = import_hf(args.hf_dir, args.spec, args.out, _overrides(args))
@@ -64,7 +64,7 @@ def cmd_import(args) -> int:
 
 def cmd_export(args) -> int:
     from runtime.checkpoint import CheckpointError
-    from runtime.hf import HFError, export_hf
+    from specc_torch.hf import HFError, export_hf
 
     try:
         done = export_hf(args.ckpt, args.spec, args.out, _overrides(args), step=args.step,

@@ -535,7 +535,7 @@ def _check_arity(e, targets, m: ModuleDef, modules: dict, top: bool) -> None:
                         if top else f"'{e.name}' returns {n_out} values and cannot be nested in an expression")
 
 
-# -- the Hugging Face mapping (`hf:`), read by runtime/hf and `specc hf import|export` ----------------
+# -- the Hugging Face mapping (`hf:`), read by specc_torch/hf and `specc hf import|export` ------------
 
 HF_KEYS = {"architecture", "config", "export_config", "import_config", "rotary", "params", "ignore"}
 HF_PARAM_KEYS = {"specc", "hf", "transpose", "rotary"}

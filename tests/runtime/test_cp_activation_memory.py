@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-import runtime
+import specc_torch
 from runtime.parallel_state import ProcessGroups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,7 +31,7 @@ def _plan_bytes(cp: int) -> int:
 def _saved_bytes(rank, world):
     pg = ProcessGroups.initialize(cp=world) if world > 1 else ProcessGroups.single()
     try:
-        model = runtime.build_model(SPEC, pg, seed=1, overrides=CONFIG, micro_batch_size=BATCH)
+        model = specc_torch.build_model(SPEC, pg, seed=1, overrides=CONFIG, micro_batch_size=BATCH)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         seen = {}
 

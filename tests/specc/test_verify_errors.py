@@ -33,7 +33,7 @@ def test_a_rank_failing_inside_verify_is_one_line(tmp_path):
     # sitecustomize runs first in every interpreter on the path, the spawned ranks included: it
     # makes rank 1 fail where verify's work starts
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
-        import runtime.verify as verify
+        import specc_torch.verify as verify
 
         _verify_all = verify._verify_all
 

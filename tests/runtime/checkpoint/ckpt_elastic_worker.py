@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ckpt_helpers import GPT, loss_of
 
 import runtime
+import specc_torch
 from runtime.checkpoint import ParamShard, latest_step, load_checkpoint, save_checkpoint
 from runtime.parallel_state import ProcessGroups
 
@@ -35,7 +36,7 @@ def main() -> None:
     pg = ProcessGroups.initialize(tp=2)
     torch.manual_seed(5)
     rng = runtime.RNGTracker(5, pg.tp.rank)
-    model = runtime.build_model(GPT, pg, seed=5, sp=True, rng_tracker=rng, overrides={"hidden_dropout": 0.1})
+    model = specc_torch.build_model(GPT, pg, seed=5, sp=True, rng_tracker=rng, overrides={"hidden_dropout": 0.1})
     params = dict(model.named_parameters())
     momentum = {n: torch.zeros_like(p) for n, p in params.items()}
     state = {"step": 0, "momentum": {n: ParamShard(n, m) for n, m in momentum.items()}}

@@ -9,6 +9,7 @@ import os
 import torch
 
 import runtime
+import specc_torch
 from runtime.checkpoint import flat_param_shards
 from runtime.init import local_slice
 
@@ -39,7 +40,7 @@ def set_weights(model, salt: str = "weights") -> None:
 
 
 def expected_weights(spec: str, salt: str = "weights", **kw) -> dict:
-    model = runtime.build_model(spec, seed=0, **kw)
+    model = specc_torch.build_model(spec, seed=0, **kw)
     set_weights(model, salt)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

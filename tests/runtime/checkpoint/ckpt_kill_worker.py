@@ -15,8 +15,8 @@ import time
 import torch.distributed.checkpoint.filesystem as dcp_fs
 from ckpt_helpers import GPT
 
-import runtime
 import runtime.checkpoint.core as core
+import specc_torch
 from runtime.checkpoint import save_checkpoint
 
 SIZE = {"hidden_size": 256, "num_layers": 4}  # about 3.2M parameters, 13 MB
@@ -30,7 +30,7 @@ def _pause(phase: str) -> None:
 
 def main() -> None:
     directory, phase, seed, step = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    model = runtime.build_model(GPT, seed=seed, overrides=SIZE)
+    model = specc_torch.build_model(GPT, seed=seed, overrides=SIZE)
     if phase == "write":
         original, written = dcp_fs._write_item, [0]
 

@@ -15,14 +15,14 @@ import torch
 from ckpt_helpers import GPT, ROOT
 from ckpt_kill_worker import SIZE
 
-import runtime
+import specc_torch
 from runtime.checkpoint import CheckpointError, complete_steps, latest_step, load_checkpoint, save_checkpoint
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ckpt_kill_worker.py")
 
 
 def _model(seed: int):
-    return runtime.build_model(GPT, seed=seed, overrides=SIZE)
+    return specc_torch.build_model(GPT, seed=seed, overrides=SIZE)
 
 
 def _kill_at(directory: str, phase: str, seed: int, step: int) -> None:
@@ -83,7 +83,7 @@ def test_killed_saves_leave_the_last_complete_checkpoint(tmp_path):
 
 def test_keep_last_prunes_older_checkpoints(tmp_path):
     directory = str(tmp_path / "ckpt")
-    model = runtime.build_model(GPT, seed=1)
+    model = specc_torch.build_model(GPT, seed=1)
     for step in (10, 20, 30, 40):
         save_checkpoint(directory, step, model, keep_last=2)
     assert sorted(os.listdir(directory)) == ["latest", "step_0000030", "step_0000040"]

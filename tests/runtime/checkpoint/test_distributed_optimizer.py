@@ -10,6 +10,7 @@ import torch
 from ckpt_helpers import GPT, batch
 
 import runtime
+import specc_torch
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.checkpoint.adam import adam_state, restore_adam
 from runtime.ddp import DistributedDataParallel
@@ -20,7 +21,7 @@ STEPS, LR, GLOBAL_BATCH = 2, 0.01, 4
 
 
 def _setup(pg, seed, distributed):
-    model = runtime.build_model(GPT, pg, seed=seed, sp=pg.tp.size > 1)
+    model = specc_torch.build_model(GPT, pg, seed=seed, sp=pg.tp.size > 1)
     ddp = DistributedDataParallel(model, pg, bucket_size=20_000,
                                   grad_reduce="reduce_scatter" if distributed else "all_reduce")
     return model, ddp, Adam(ddp, pg, distributed=distributed, clip_grad=1.0)
@@ -95,7 +96,7 @@ def test_distributed_adam_state_resumes_and_reshards(gloo, tmp_path):
 
 def test_bf16_parameters_resume_with_their_fp32_master_weights(tmp_path):
     def setup(seed):
-        model = runtime.build_model(GPT, seed=seed).to(torch.bfloat16)
+        model = specc_torch.build_model(GPT, seed=seed).to(torch.bfloat16)
         ddp = DistributedDataParallel(model, ProcessGroups.single(), bucket_size=20_000)
         return model, ddp, Adam(ddp, ProcessGroups.single())
 

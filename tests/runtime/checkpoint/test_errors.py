@@ -11,7 +11,7 @@ import pytest
 import torch
 from ckpt_helpers import GPT, LLAMA
 
-import runtime
+import specc_torch
 from runtime.checkpoint import (
     CheckpointError,
     ParamShard,
@@ -26,14 +26,14 @@ from runtime.parallel_state import ProcessGroups
 @pytest.fixture
 def saved(tmp_path):
     directory = str(tmp_path / "ckpt")
-    model = runtime.build_model(GPT, seed=1)
+    model = specc_torch.build_model(GPT, seed=1)
     save_checkpoint(directory, 7, model, optimizer_state={"step": 7, "m": {"embedding.weight": ParamShard(
         "embedding.weight", torch.ones_like(model.embedding.weight))}})
     return directory, os.path.join(directory, "step_0000007")
 
 
 def _fails(directory, model=None, **kw) -> str:
-    model = model if model is not None else runtime.build_model(GPT, seed=2)
+    model = model if model is not None else specc_torch.build_model(GPT, seed=2)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(directory, model, **kw)
@@ -91,7 +91,7 @@ def test_interrupted_or_absent_checkpoints(saved, tmp_path):
 
 def test_another_spec_or_other_shapes(saved):
     directory, step = saved
-    llama = runtime.build_model(LLAMA, seed=1)
+    llama = specc_torch.build_model(LLAMA, seed=1)
     message = _fails(directory, llama)
     assert message.startswith(f"{step}: saved from spec gpt_tiny (sha256 ")
     assert "but this model is spec llama_tiny (sha256 " in message
@@ -102,7 +102,7 @@ def test_another_spec_or_other_shapes(saved):
     assert "parameter(s) of this model are not in the checkpoint: layers.0.input_norm.weight" in message
     assert "parameter(s) in the checkpoint are not in this model: position_embedding.weight" in message
 
-    wider = runtime.build_model(GPT, seed=1, overrides={"hidden_size": 128})
+    wider = specc_torch.build_model(GPT, seed=1, overrides={"hidden_size": 128})
     assert "saved from spec gpt_tiny" in _fails(directory, wider)  # --set changes the spec's hash
     message = _fails(directory, wider, allow_spec_change=True)
     assert message.startswith(f"{step}: the checkpoint does not match this model: shapes differ: "
@@ -111,7 +111,7 @@ def test_another_spec_or_other_shapes(saved):
 
 def test_optimizer_state_that_does_not_match(saved):
     directory, step = saved
-    model = runtime.build_model(GPT, seed=2)
+    model = specc_torch.build_model(GPT, seed=2)
     m = torch.zeros_like(model.embedding.weight)
     assert _fails(directory, model, optimizer_state={"step": 0, "v": {"embedding.weight": ParamShard(
         "embedding.weight", m)}}) == f"{step}: the checkpoint has no optimizer state v/embedding.weight"
@@ -123,7 +123,7 @@ def test_optimizer_state_that_does_not_match(saved):
 
 
 def test_a_model_only_checkpoint_has_no_optimizer_state(tmp_path):
-    model = runtime.build_model(GPT, seed=1)
+    model = specc_torch.build_model(GPT, seed=1)
     save_checkpoint(str(tmp_path), 1, model)
     assert load_checkpoint(str(tmp_path), model)["optimizer_state"] is None
     message = _fails(str(tmp_path), model, optimizer_state={"step": 0})
@@ -131,7 +131,7 @@ def test_a_model_only_checkpoint_has_no_optimizer_state(tmp_path):
 
 
 def test_save_time_mistakes(tmp_path):
-    model = runtime.build_model(GPT, seed=1)
+    model = specc_torch.build_model(GPT, seed=1)
     with pytest.raises(ValueError, match="ParamShard names parameter 'nope', which the model does not have"):
         save_checkpoint(str(tmp_path), 1, model, optimizer_state={"x": ParamShard("nope", torch.zeros(3))})
     with pytest.raises(ValueError, match="data_state at when is of type object; checkpoints hold tensors"):
@@ -145,7 +145,7 @@ def test_save_time_mistakes(tmp_path):
 def _save_rank_dependent(rank, world, directory, what):
     pg = ProcessGroups.initialize(tp=1)  # DP=2
     try:
-        model = runtime.build_model(GPT, pg, seed=1)
+        model = specc_torch.build_model(GPT, pg, seed=1)
         if what == "data":
             save_checkpoint(directory, 1, model, pg, data_state={"consumed_samples": rank})
         elif what == "rank_local":
@@ -161,7 +161,7 @@ def _save_rank_dependent(rank, world, directory, what):
 def _load_rank_local(rank, world, directory):
     pg = ProcessGroups.initialize(tp=1)
     try:
-        model = runtime.build_model(GPT, pg, seed=2)
+        model = specc_torch.build_model(GPT, pg, seed=2)
         flat = torch.zeros(3)
         out = load_checkpoint(directory, model, pg, optimizer_state={"step": 0, "mine": RankLocal(None), "flat": flat})
         return out["optimizer_state"]["mine"].value, flat.tolist(), out["rng_restored"]
@@ -178,7 +178,7 @@ def test_replicated_and_rank_local_values_across_ranks(gloo, tmp_path):
     # the same layout restores each rank's own values ...
     assert gloo.run(2, _load_rank_local, directory) == [(0, [0.0] * 3, True), (1, [1.0] * 3, True)]
     # ... another layout cannot: rank-local state is refused, by name
-    model = runtime.build_model(GPT, seed=2)
+    model = specc_torch.build_model(GPT, seed=2)
     message = _fails(directory, model, optimizer_state={"step": 0, "mine": RankLocal(None)})
     assert message == (f"{directory}/step_0000001: optimizer state mine is rank-local, saved at tp=1 cp=1 dp=2 pp=1; "
                        f"it cannot be loaded at tp=1 cp=1 dp=1 pp=1 (give per-parameter tensors as ParamShard to "
@@ -201,7 +201,7 @@ def test_latest_that_is_a_directory_or_binary(saved):
     assert _fails(directory) == f"{latest}: is a directory, not the file naming the latest step"
     with pytest.raises(CheckpointError, match="is a directory, not the file naming the latest step"):
         read_tensors(directory)
-    assert load_checkpoint(step, runtime.build_model(GPT, seed=2))["step"] == 7  # the step itself still loads
+    assert load_checkpoint(step, specc_torch.build_model(GPT, seed=2))["step"] == 7  # the step itself still loads
 
 
 @pytest.mark.parametrize("edit,problem", [

@@ -12,6 +12,7 @@ import torch
 from ckpt_helpers import GPT, LLAMA, FlatState, expected_weights, full_weights, loss_of, set_weights
 
 import runtime
+import specc_torch
 from runtime.checkpoint import CheckpointError, latest_step, load_checkpoint, read_info, save_checkpoint
 from runtime.parallel_state import ProcessGroups
 
@@ -21,7 +22,7 @@ LR = 0.5
 def _save(rank, world, directory, spec, tp):
     pg = ProcessGroups.initialize(tp=tp)
     try:
-        model = runtime.build_model(spec, pg, seed=1, sp=tp > 1)
+        model = specc_torch.build_model(spec, pg, seed=1, sp=tp > 1)
         set_weights(model)
         state = FlatState(model, pg)
         state.fill_expected()
@@ -43,7 +44,7 @@ def _momentum_step(model, state: FlatState) -> None:
 def _load(rank, world, directory, spec, tp):
     pg = ProcessGroups.initialize(tp=tp) if world > 1 else ProcessGroups.single()
     try:
-        model = runtime.build_model(spec, pg, seed=2, sp=tp > 1)  # other weights: all must come from the file
+        model = specc_torch.build_model(spec, pg, seed=2, sp=tp > 1)  # other weights: all must come from the file
         state = FlatState(model, pg)
         out = load_checkpoint(directory, model, pg, optimizer_state={"step": 0, "exp_avg": state.shards()})
         expected = expected_weights(spec)
@@ -94,7 +95,7 @@ def test_save_at_tp2_dp2_loads_at_tp1_tp4_and_dp1(gloo, tmp_path):
 def _save_llama(rank, world, directory):
     pg = ProcessGroups.initialize(tp=world)
     try:
-        model = runtime.build_model(LLAMA, pg, seed=1, sp=True)
+        model = specc_torch.build_model(LLAMA, pg, seed=1, sp=True)
         set_weights(model)
         save_checkpoint(directory, 1, model, pg)
         return loss_of(model).item()
@@ -105,7 +106,7 @@ def _save_llama(rank, world, directory):
 def _load_llama(rank, world, directory):
     pg = ProcessGroups.initialize(tp=world)
     try:
-        model = runtime.build_model(LLAMA, pg, seed=2, sp=True)
+        model = specc_torch.build_model(LLAMA, pg, seed=2, sp=True)
         out = load_checkpoint(directory, model, pg)
         expected = expected_weights(LLAMA)
         full = full_weights(model, pg)
@@ -120,7 +121,7 @@ def test_grouped_query_segments_reshard_from_tp2_to_tp4_and_tp1(gloo, tmp_path):
     directory = str(tmp_path / "llama")
     saved_loss = gloo.run(2, _save_llama, directory)[0]
     equal4, loss4, resharded4 = gloo.run(4, _load_llama, directory)[0]
-    model = runtime.build_model(LLAMA, seed=3)
+    model = specc_torch.build_model(LLAMA, seed=3)
     load_checkpoint(directory, model)
     expected = expected_weights(LLAMA)
     assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
@@ -132,7 +133,7 @@ def test_grouped_query_segments_reshard_from_tp2_to_tp4_and_tp1(gloo, tmp_path):
 def _load_expecting_error(rank, world, directory):
     pg = ProcessGroups.initialize(tp=world)
     try:
-        model = runtime.build_model(GPT, pg, seed=2, sp=True)
+        model = specc_torch.build_model(GPT, pg, seed=2, sp=True)
         before = [p.detach().clone() for p in model.parameters()]
         try:
             load_checkpoint(directory, model, pg)
@@ -147,7 +148,7 @@ def _load_expecting_error(rank, world, directory):
 def _save_tp2(rank, world, directory):
     pg = ProcessGroups.initialize(tp=world)
     try:
-        model = runtime.build_model(GPT, pg, seed=1, sp=True)
+        model = specc_torch.build_model(GPT, pg, seed=1, sp=True)
         save_checkpoint(directory, 2, model, pg)
     finally:
         pg.destroy()

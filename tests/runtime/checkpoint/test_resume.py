@@ -8,6 +8,7 @@ import torch
 from ckpt_helpers import GPT, loss_of
 
 import runtime
+import specc_torch
 from runtime.checkpoint import ParamShard, load_checkpoint, save_checkpoint
 from runtime.parallel_state import ProcessGroups
 
@@ -21,7 +22,7 @@ def _train(rank, world, directory, resume: bool, restore_rng: bool = True):
         seed = 99 if resume else 11  # a resumed run must get everything from the checkpoint
         torch.manual_seed(seed)
         rng = runtime.RNGTracker(seed, pg.tp.rank)
-        model = runtime.build_model(GPT, pg, seed=seed, sp=True, rng_tracker=rng, overrides=DROPOUT)
+        model = specc_torch.build_model(GPT, pg, seed=seed, sp=True, rng_tracker=rng, overrides=DROPOUT)
         params = dict(model.named_parameters())
         momentum = {n: torch.zeros_like(p) for n, p in params.items()}
         shards = {n: ParamShard(n, m) for n, m in momentum.items()}

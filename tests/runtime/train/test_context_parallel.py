@@ -17,6 +17,7 @@ from runtime.data import build_datasets
 from runtime.parallel_state import ProcessGroups
 from runtime.train.config import split_weights
 from runtime.train.training import evaluate, setup_model_and_optimizer
+from specc_torch.train import compile_model
 
 STEPS = 3
 
@@ -80,7 +81,7 @@ def _load_and_validate(rank, world, data, directory, tp, cp):
     pg = ProcessGroups.initialize(tp=tp, cp=cp) if world > 1 else ProcessGroups.single()
     try:
         cfg = tiny_config(world, data, tp=tp, sp=tp > 1, cp=cp, eval_iters=2)
-        setup = setup_model_and_optimizer(cfg, pg)
+        setup = setup_model_and_optimizer(cfg, pg, compiled=compile_model(cfg))
         with torch.no_grad():  # nothing of the initial weights may survive the load
             for p in setup.model.parameters():
                 p.fill_(float("nan"))

@@ -20,6 +20,7 @@ from runtime.ddp import DistributedDataParallel
 from runtime.grads import finalize_model_grads
 from runtime.parallel_state import ProcessGroups
 from runtime.train.training import micro_batch, setup_model_and_optimizer
+from specc_torch.train import compile_model
 
 STEPS = 3
 
@@ -59,7 +60,7 @@ def _buckets_start_during_backward(rank, world, data):
     pg = ProcessGroups.initialize(tp=1)
     try:
         cfg = tiny_config(world, data, mbs=2, gbs=4, bucket=10_000)
-        setup = setup_model_and_optimizer(cfg, pg)
+        setup = setup_model_and_optimizer(cfg, pg, compiled=compile_model(cfg))
         ddp = setup.ddp
         from runtime.data import build_datasets
         ds = build_datasets(data, 32, cfg.seed, (0.9, 0.1, 0.0))["train"]
@@ -97,7 +98,7 @@ def test_accumulation_equals_one_big_batch(corpus):
     grads = []
     for mbs in (2, 8):
         cfg = tiny_config(1, corpus, mbs=mbs, gbs=8)
-        setup = setup_model_and_optimizer(cfg, pg)
+        setup = setup_model_and_optimizer(cfg, pg, compiled=compile_model(cfg))
         from runtime.data import build_datasets
         ds = build_datasets(corpus, 32, cfg.seed, (0.9, 0.1, 0.0))["train"]
         batches = [micro_batch(ds, 0, m, cfg, pg, setup.device) for m in range(cfg.num_micro_batches)]
@@ -114,7 +115,7 @@ def test_accumulation_equals_one_big_batch(corpus):
 def test_tied_weight_is_one_parameter_with_both_gradients(corpus):
     pg = ProcessGroups.single()
     cfg = tiny_config(1, corpus)
-    setup = setup_model_and_optimizer(cfg, pg)
+    setup = setup_model_and_optimizer(cfg, pg, compiled=compile_model(cfg))
     model = setup.model
     assert model.output_layer.weight is model.embedding.weight
     names = [n for n, _ in model.named_parameters()]
@@ -125,8 +126,9 @@ def test_tied_weight_is_one_parameter_with_both_gradients(corpus):
     setup.ddp(tokens, labels).mean().backward()
     finalize_model_grads(model, pg, setup.ddp)
     # Reference: an untied copy whose two weights' gradients add up to the tied gradient.
-    from runtime import api
-    plain = api.build_model(cfg.spec, pg, seed=cfg.seed)
+    import specc_torch
+
+    plain = specc_torch.build_model(cfg.spec, pg, seed=cfg.seed)
     plain.output_layer.weight = torch.nn.Parameter(plain.embedding.weight.detach().clone())
     plain(tokens, labels).mean().backward()
     both = plain.embedding.weight.grad + plain.output_layer.weight.grad

@@ -14,9 +14,9 @@ from train_helpers import assert_params_close, assert_steps_agree, make_corpus, 
 
 from runtime.parallel_state import ProcessGroups
 from runtime.train.config import OptimizerConfig, ParallelConfig, TrainConfig, resolve
-from runtime.train.main import run
 from runtime.train.report import Reporter
 from runtime.train.tensorboard import crc32c, read_scalars
+from specc_torch.train import run
 
 
 @pytest.fixture(scope="module")

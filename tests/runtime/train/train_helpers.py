@@ -14,6 +14,7 @@ from runtime.init import gather_full, local_slice
 from runtime.parallel_state import ProcessGroups
 from runtime.train.config import OptimizerConfig, ParallelConfig, TrainConfig, resolve, split_weights
 from runtime.train.training import micro_batch, reload_master_weights, setup_model_and_optimizer, train_step
+from specc_torch.train import compile_model
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
@@ -47,7 +48,7 @@ def run_steps(cfg: TrainConfig, pg: ProcessGroups, steps: int, lrs=None, trace: 
     (the full weights after it). follow, another run's trace: every step starts from that run's
     "before" weights, so the two runs' steps compare from the same weights. on_setup(setup) runs
     once before the first step."""
-    setup = setup_model_and_optimizer(cfg, pg)
+    setup = setup_model_and_optimizer(cfg, pg, compiled=compile_model(cfg))
     if on_setup is not None:
         on_setup(setup)
     data = build_datasets(cfg.data.data_path, setup.spec.config["seq_length"], cfg.seed, split_weights(cfg.data.split))

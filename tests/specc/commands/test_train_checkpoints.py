@@ -49,9 +49,9 @@ def test_keep_last_keeps_the_newest_checkpoints(specc, corpus, tmp_path):
         assert (code, err) == (2, message + "\n")
     assert complete_steps(str(ckpt)) == [4, 5] and not (tmp_path / "never").exists()
 
-    # `torchrun -m runtime.train` takes the same flag
-    from runtime.train.main import config_from_args
-    from specc.commands.train import build_rank_parser
+    # `torchrun -m specc_torch.train` takes the same flag
+    from specc.commands.train_args import build_rank_parser
+    from specc_torch.train import config_from_args
 
     args = build_rank_parser().parse_args([GPT_TINY, "--save", str(ckpt), "--keep-last", "3"])
     assert config_from_args(args).checkpoint.keep_last == 3
@@ -120,7 +120,7 @@ def test_load_of_an_hf_import_trains_from_its_weights_with_a_fresh_optimizer(spe
     pytest.importorskip("transformers")
     import torch
 
-    sys.path.insert(0, os.path.join(ROOT, "tests", "runtime", "hf"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "specc_torch", "hf"))
     from hf_helpers import save_hf
 
     from runtime.checkpoint import read_tensors

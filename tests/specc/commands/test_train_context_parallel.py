@@ -55,10 +55,10 @@ def test_tp2_cp2_trains_and_its_checkpoint_loads_at_tp1_cp1_with_the_same_valida
 
 
 def test_the_context_parallel_flags_and_their_errors(specc, corpus, tmp_path):
-    from runtime.train.main import check, config_from_args
-    from specc.commands.train import build_rank_parser
+    from specc.commands.train_args import build_rank_parser
+    from specc_torch.train import check, config_from_args
 
-    # `torchrun -m runtime.train` takes the same flags; the spec compiles for the CP size
+    # `torchrun -m specc_torch.train` takes the same flags; the spec compiles for the CP size
     args = build_rank_parser().parse_args([GPT_TINY, "--cp", "2", "--cp-comm-type", "all_gather", "--data-path",
                                            corpus, "--run-dir", str(tmp_path / "never")])
     cfg = config_from_args(args)

@@ -1,6 +1,6 @@
 """`specc train`, `specc data prepare` and `specc plot` as a user runs them: Megatron's command
 line accepted, every broken rule one line and exit 2 before any rank starts, a 2-rank TP=2+SP
-run through torchrun, `torchrun -m runtime.train` launched by hand, and the loss plot."""
+run through torchrun, `torchrun -m specc_torch.train` launched by hand, and the loss plot."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def test_command_modules_do_not_import_torch():
 
 
 def test_megatrons_command_line_is_accepted_with_its_meaning(specc):
-    from runtime.train.main import check, config_from_args
     from specc import cli
     from specc.commands import register_all
+    from specc_torch.train import check, config_from_args
 
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, type(parser._subparsers._group_actions[0])))
@@ -102,7 +102,7 @@ def test_torchrun_runtime_train_by_hand(corpus, tmp_path):
     run_dir = tmp_path / "dp2"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "runtime.train", GPT_TINY, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
+           "specc_torch.train", GPT_TINY, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
            "--eval-iters", "0", "--log-interval", "1", "--data-path", corpus, "--run-dir", str(run_dir),
            "--use-distributed-optimizer"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -102,10 +102,10 @@ def test_check_passes_on_the_committed_tree_and_catches_staleness(tmp_path, caps
 
 def test_compiled_tiny_models_run_forward_and_backward_at_tp1(compiled):
     torch = pytest.importorskip("torch")
-    import runtime
+    import specc_torch
 
     for name in ("gpt-tiny.yaml", "llama-tiny.yaml", "parallel-block-tiny.yaml"):
-        model = runtime.build_model(os.path.join(SPECS, name), seed=7)
+        model = specc_torch.build_model(os.path.join(SPECS, name), seed=7)
         gen = torch.Generator().manual_seed(0)
         tokens, labels = torch.randint(0, 256, (2, 32), generator=gen), torch.randint(0, 256, (2, 32), generator=gen)
         loss = model(tokens, labels)

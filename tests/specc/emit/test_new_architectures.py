@@ -121,7 +121,7 @@ def spec_file(tmp_path):
 
 
 def _compile(path, tp, sp):
-    from runtime.api import compile_source
+    from specc_torch.api import compile_source
 
     return compile_source(path, tp, sp, dtype="fp32")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-import runtime
+import specc_torch
 from runtime.grads import finalize_model_grads
 from runtime.init import gather_full
 from runtime.parallel_state import ProcessGroups
@@ -21,7 +21,7 @@ def step(rank: int, world: int, path: str, sp: bool, vocab: int, b: int, s: int)
     """One forward and backward at TP=world (world=1: in this process, no torch.distributed)."""
     pg = ProcessGroups.initialize(tp=world) if world > 1 else ProcessGroups.single()
     try:
-        model = runtime.build_model(path, pg, seed=3, sp=sp, dtype="fp32")
+        model = specc_torch.build_model(path, pg, seed=3, sp=sp, dtype="fp32")
         weights = {n: gather_full(p.detach(), p, pg.tp) for n, p in model.named_parameters()}
         replicated = sorted(n for n, p in model.named_parameters() if p._specc_init.shard_dim is None)
         tokens, labels = batch(vocab, b, s)

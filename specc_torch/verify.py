@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from runtime.comm import CommCounter
+from runtime.grads import finalize_model_grads
+from runtime.init import gather_full, randomize_parameters
+from runtime.parallel_state import ProcessGroups
+from runtime.random import RNGTracker
+
 from . import api
-from .comm import CommCounter
-from .grads import finalize_model_grads
-from .init import gather_full, randomize_parameters
-from .parallel_state import ProcessGroups
-from .random import RNGTracker
 
 # Mutations break a compiled module on purpose, to show that verify catches each kind of bug.
 MUTATIONS = {
@@ -186,14 +187,14 @@ def _full_activation(t, site, pg):
     layout, segments, seq_dim = site
     full = _full_over_tp(t.detach().contiguous(), layout["tp"], segments, pg.tp)
     if pg.cp.size > 1 and layout["cp"] == "S(s)":
-        from .context_parallel import gather_load_balanced
+        from runtime.context_parallel import gather_load_balanced
 
         full = gather_load_balanced(full.contiguous(), pg.cp, seq_dim)
     return full
 
 
 def _full_over_tp(t, layout, segments, tp):
-    from .mappings import gather_dim0, gather_last
+    from runtime.mappings import gather_dim0, gather_last
 
     if tp.size == 1 or layout in ("I", "R"):
         return t.clone()
@@ -207,7 +208,7 @@ def _full_over_tp(t, layout, segments, tp):
         per_rank = [c.split([n // tp.size for n in segments], dim=-1) for c in full.chunk(tp.size, dim=-1)]
         return torch.cat([per_rank[r][i] for i in range(len(segments)) for r in range(tp.size)], dim=-1)
     out = t.clone()  # P: the true value is the sum over ranks
-    from .comm import all_reduce
+    from runtime.comm import all_reduce
     all_reduce(out, tp)
     return out
 

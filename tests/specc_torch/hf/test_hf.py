@@ -19,10 +19,11 @@ from hf_helpers import SPECS, hf_logits, hf_loss, hf_model, load_and_run, save_h
 from safetensors.torch import load_file
 
 import runtime
+import specc_torch
 from runtime.checkpoint import load_checkpoint, read_info
-from runtime.hf import HFError, export_hf, import_hf
-from runtime.hf.convert import _half_to_interleaved, _interleaved_to_half
 from specc.errors import SpecError
+from specc_torch.hf import HFError, export_hf, import_hf
+from specc_torch.hf.convert import _half_to_interleaved, _interleaved_to_half
 
 pytest.importorskip("transformers")
 FAMILIES = ["gpt", "llama"]
@@ -61,7 +62,7 @@ def test_export_of_a_tp2_checkpoint_loads_in_transformers(gloo, tmp_path, family
     # and the export imports back to the same weights
     back = str(tmp_path / "back")
     import_hf(hf_dir, SPECS[family], back)
-    a, b = runtime.build_model(SPECS[family], seed=1), runtime.build_model(SPECS[family], seed=2)
+    a, b = specc_torch.build_model(SPECS[family], seed=1), specc_torch.build_model(SPECS[family], seed=2)
     load_checkpoint(ckpt, a)
     load_checkpoint(back, b)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
@@ -114,7 +115,7 @@ def test_the_interleaved_rotary_permutation_keeps_attention_scores():
 def test_hf_logits_without_the_mapping_differ(tmp_path):
     """The comparison above has teeth: specc's own weights give other logits than HF's model."""
     model = hf_model("gpt")
-    other = runtime.build_model(SPECS["gpt"], seed=1)
+    other = specc_torch.build_model(SPECS["gpt"], seed=1)
     logits, _ = specc_logits(other, runtime.ProcessGroups.single())
     assert (logits - hf_logits(model)).abs().max().item() > 0.1
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import runtime
+import specc_torch
 from runtime.parallel_state import ProcessGroups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -101,7 +102,7 @@ def load_and_run(rank, world, family: str, ckpt: str, sp: bool = True):
 
     pg = ProcessGroups.initialize(tp=world) if world > 1 else ProcessGroups.single()
     try:
-        model = runtime.build_model(SPECS[family], pg, seed=123, sp=sp and world > 1)
+        model = specc_torch.build_model(SPECS[family], pg, seed=123, sp=sp and world > 1)
         out = load_checkpoint(ckpt, model, pg)
         assert out["resharded"] == (world > 1)
         return specc_logits(model, pg)
@@ -115,7 +116,7 @@ def save_specc(rank, world, family: str, directory: str):
 
     pg = ProcessGroups.initialize(tp=world) if world > 1 else ProcessGroups.single()
     try:
-        model = runtime.build_model(SPECS[family], pg, seed=321, sp=world > 1)
+        model = specc_torch.build_model(SPECS[family], pg, seed=321, sp=world > 1)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 meta = p._specc_init

@@ -20,12 +20,12 @@ import shutil
 
 import torch
 
+from runtime.checkpoint import CheckpointError, read_info, read_tensors, resolve, save_tensors
+from runtime.checkpoint.core import check_params, check_spec
+from runtime.parallel_state import ProcessGroups
 from specc.errors import SpecError
 
 from .. import api
-from ..checkpoint import CheckpointError, read_info, read_tensors, resolve, save_tensors
-from ..checkpoint.core import check_params, check_spec
-from ..parallel_state import ProcessGroups
 from .mapping import Mapping, bind, ignored, mapping_of
 
 CONFIG = "config.json"

@@ -1,5 +1,8 @@
-"""Entry points: `launch` (what `specc train` runs: check everything, then start the ranks through
-torchrun, or run in this process for one rank) and `run` (one rank, under torchrun or alone)."""
+"""Training a spec: `launch` (what `specc train` runs: check everything, then start the ranks
+through torchrun, or run in this process for one rank), `run` (one rank, under torchrun or
+alone) and `rank_main`, the entry of `torchrun --nproc-per-node N -m specc_torch.train SPEC
+[flags]`. Here the spec is compiled (compile_model) and handed to the loop (runtime.train), which
+knows nothing of the compiler."""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ import os
 import subprocess
 import sys
 
-from ..data import DataError, IndexedTokens, build_datasets, prepare, stdlib_files
-from .config import (
+from runtime.data import DataError, IndexedTokens, build_datasets, prepare, stdlib_files
+from runtime.train.config import (
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
@@ -21,6 +24,8 @@ from .config import (
     resolve,
     split_weights,
 )
+
+from .api import compile_source
 
 
 class ConfigError(Exception):
@@ -34,7 +39,7 @@ class ConfigError(Exception):
 # -- configuration from the command line -----------------------------------------------------------
 
 def config_from_args(args) -> TrainConfig:
-    from specc.cli import overrides_from
+    from specc.args import overrides_from
 
     overrides = {key: value for key, value, _ in overrides_from(args)}
     return TrainConfig(
@@ -72,13 +77,23 @@ def _spec_stem(path: str) -> str:
     return base.rsplit(".", 1)[0] if base.endswith((".yaml", ".yml")) else base
 
 
+# -- the model: the spec compiled at the configured settings ------------------------------------------
+
+def compile_model(cfg: TrainConfig):
+    """(generated source, spec) for the configured spec at the configured parallel settings: what
+    runtime.train.setup_model_and_optimizer builds the model from."""
+    source, spec, _ = compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=cfg.overrides,
+                                     micro_batch_size=cfg.micro_batch_size,
+                                     dtype="bf16" if cfg.bf16 else "fp32", cp=cfg.parallel.cp,
+                                     cp_comm_type=cfg.parallel.cp_comm_type)
+    return source, spec
+
+
 # -- checks shared by the launcher and every rank ----------------------------------------------------
 
 def check(cfg: TrainConfig, world_size: int):
     """Resolve and check the configuration; returns the compiled spec. Raises ConfigError (every
     broken rule), SpecError (the spec or an override) or DataError (the data)."""
-    from .training import compile_model
-
     errors = resolve(cfg, world_size)
     if errors:
         raise ConfigError(errors)
@@ -107,7 +122,7 @@ def check(cfg: TrainConfig, world_size: int):
 
 def output_rules(cfg: TrainConfig) -> list:
     """--save and --run-dir name folders: each must be one, or be creatable."""
-    from ..checkpoint import CheckpointError, latest_step
+    from runtime.checkpoint import CheckpointError, latest_step
 
     errors = []
     for flag, path in (("--save", cfg.checkpoint.save), ("--run-dir", cfg.logging.run_dir)):
@@ -140,8 +155,8 @@ def _folder_problem(path: str) -> str | None:
 
 def _checkpoint_rules(load: str) -> list:
     """--load: the checkpoint it names must be readable (its `latest` and checkpoint.json)."""
-    from ..checkpoint import CheckpointError, read_info
-    from ..checkpoint import resolve as checkpoint_path
+    from runtime.checkpoint import CheckpointError, read_info
+    from runtime.checkpoint import resolve as checkpoint_path
 
     try:
         read_info(checkpoint_path(load))
@@ -242,14 +257,14 @@ def launch(args) -> int:
         cmd.append("--standalone")  # a free local port, no rendezvous setup
     for flag, value in given.items():
         cmd += [flag, str(value)]
-    cmd += ["-m", "runtime.train", cfg.spec, "--config-json", payload]
+    cmd += ["-m", "specc_torch.train", cfg.spec, "--config-json", payload]
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
     restarts = f" --max-restarts {args.max_restarts}" if args.max_restarts else ""
     print(f"launching {world} rank{'s' if world > 1 else ''}: torchrun --nproc-per-node {args.nproc_per_node} "
-          f"--nnodes {args.nnodes}{restarts} -m runtime.train {cfg.spec} ...", file=sys.stderr, flush=True)
+          f"--nnodes {args.nnodes}{restarts} -m specc_torch.train {cfg.spec} ...", file=sys.stderr, flush=True)
     try:
         return subprocess.call(cmd, env=env)
     except KeyboardInterrupt:
@@ -279,8 +294,8 @@ def _launch_rules(args) -> list:
 # -- one rank ------------------------------------------------------------------------------------------
 
 def rank_main(argv=None) -> int:
-    """`python -m runtime.train SPEC [flags]`, one process per rank (torchrun sets the env)."""
-    from specc.commands.train import build_rank_parser
+    """`python -m specc_torch.train SPEC [flags]`, one process per rank (torchrun sets the env)."""
+    from specc.commands.train_args import build_rank_parser
 
     args = build_rank_parser().parse_args(argv)
     if args.config_json is not None:
@@ -302,9 +317,7 @@ def run(cfg: TrainConfig, stream=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from specc.errors import SpecError
-
-    from ..checkpoint import (
+    from runtime.checkpoint import (
         CheckpointError,
         adam_state,
         latest_step,
@@ -313,10 +326,17 @@ def run(cfg: TrainConfig, stream=None) -> int:
         restore_adam,
         save_checkpoint,
     )
-    from ..checkpoint import resolve as checkpoint_path
-    from ..parallel_state import ProcessGroups
-    from .report import NullReporter, Reporter
-    from .training import TrainState, reload_master_weights, resolve_device, setup_model_and_optimizer, train
+    from runtime.checkpoint import resolve as checkpoint_path
+    from runtime.parallel_state import ProcessGroups
+    from runtime.train.report import NullReporter, Reporter
+    from runtime.train.training import (
+        TrainState,
+        reload_master_weights,
+        resolve_device,
+        setup_model_and_optimizer,
+        train,
+    )
+    from specc.errors import SpecError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -366,7 +386,7 @@ def run(cfg: TrainConfig, stream=None) -> int:
                 check(cfg, world)
             except (ConfigError, SpecError, DataError) as e:
                 return fail(e)
-        setup = setup_model_and_optimizer(cfg, pg, device)
+        setup = setup_model_and_optimizer(cfg, pg, device, compiled=compile_model(cfg))
         seq = setup.spec.config["seq_length"]
         datasets = build_datasets(cfg.data.data_path, seq, cfg.seed, split_weights(cfg.data.split))
         append = bool(load and not weights_only) or restart > 0
@@ -483,3 +503,7 @@ def _report_setup(reporter, cfg: TrainConfig, setup, pg, datasets) -> None:
                   f"holds {replicated / 2**20:.3f} MiB (ratio {measured / replicated:.3f}, 1/DP = {1 / pg.dp.size:.3f})")
     reporter.info(f"data {cfg.data.data_path}: {len(datasets['train']):,} train and {len(datasets['valid']):,} "
                   f"validation samples of {datasets['train'].seq_length} tokens")
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main())

@@ -1,0 +1,174 @@
+"""Command-line parsing shared by the `specc` commands and by the training rank's entry
+(`torchrun -m specc_torch.train`): argparse with one-line errors and conflicting duplicate flags
+refused, the flags every command that compiles a spec accepts, and their settings and `--set`
+overrides. No command is dispatched from here, so the layer above (specc_torch) can parse the
+same flags without importing the CLI that calls into it."""
+
+from __future__ import annotations
+
+import argparse
+
+from .errors import Loc, SpecError, _one_line
+
+MEGATRON_CONFIG_FLAGS = {  # Megatron's model-size flags, applied as config overrides
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
+    "seq_length": "--seq-length", "ffn_hidden_size": "--ffn-hidden-size",
+}
+
+
+_GIVEN, _PROG = "_specc_given", "_specc_prog"  # bookkeeping kept on the namespace while parsing
+
+
+class UsageError(SystemExit):
+    """A mistake on the command line (an unknown flag, a bad value, a missing argument): one line
+    `error: WHAT (hint: ...)` and exit code 2, never the whole usage."""
+
+    def __init__(self, prog: str, message: str, hint: str | None = None):
+        super().__init__(2)
+        self.prog, self.message = prog, message
+        self.hint = hint if hint is not None else f"hint: see {prog} --help"
+
+    def format(self) -> str:
+        return _one_line(f"error: {self.message} ({self.hint})")
+
+
+class _Once:
+    """A flag given twice, under any of its names, with different values is an error: the later
+    value would otherwise win silently (`--tp 2 --tensor-model-parallel-size 4`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = self.const if self.nargs == 0 else values
+        given = namespace.__dict__.setdefault(_GIVEN, {})
+        if self.dest in given and given[self.dest][1] != value:
+            first = given[self.dest]
+            raise argparse.ArgumentError(self, f"given twice with different values: {_given_text(*first, self)} "
+                                         f"and {_given_text(option_string, value, self)}")
+        given[self.dest] = (option_string, value)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _given_text(flag, value, action) -> str:
+    return flag if action.nargs == 0 else f"{flag} {value}"
+
+
+class _StoreOnce(_Once, argparse._StoreAction):
+    pass
+
+
+class _StoreConstOnce(_Once, argparse._StoreConstAction):
+    pass
+
+
+class _StoreTrueOnce(_Once, argparse._StoreTrueAction):
+    pass
+
+
+class _StoreFalseOnce(_Once, argparse._StoreFalseAction):
+    pass
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors (UsageError) and conflicting duplicate flags refused. Its
+    subparsers are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name, cls in ((None, _StoreOnce), ("store", _StoreOnce), ("store_const", _StoreConstOnce),
+                          ("store_true", _StoreTrueOnce), ("store_false", _StoreFalseOnce)):
+            self.register("action", name, cls)
+
+    def error(self, message):
+        raise UsageError(self.prog, message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        ns.__dict__.pop(_GIVEN, None)
+        ns.__dict__.setdefault(_PROG, self.prog)  # the innermost (sub)command's name, for hints
+        return ns, extras
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        prog = ns.__dict__.pop(_PROG, self.prog)
+        if extras:
+            from .commands.train_args import megatron_architecture_hint
+
+            for i, word in enumerate(extras):
+                flag, eq, value = word.partition("=")
+                if not eq and i + 1 < len(extras) and not extras[i + 1].startswith("-"):
+                    value = extras[i + 1]
+                hint = megatron_architecture_hint(flag, value, prog)
+                if hint:
+                    raise UsageError(prog, f"{flag} is a Megatron architecture flag: here the spec holds the "
+                                     f"architecture", hint)
+            raise UsageError(prog, f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
+
+def spec_flags(p: argparse.ArgumentParser, sp_default=False) -> None:
+    """Flags every command that compiles a spec accepts (Megatron's names, with short aliases)."""
+    g = p.add_argument_group("parallel settings")
+    g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel size (default 1)")
+    g.add_argument("--sp", "--sequence-parallel", dest="sp", action="store_true", default=sp_default,
+                   help="sequence parallelism in the regions between tensor-parallel GEMMs")
+    g.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1, metavar="N",
+                   help="context-parallel size: the sequence sharded over N ranks in load-balanced chunks (default 1)")
+    g.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("auto", "p2p", "all_gather"), default="auto",
+                   help="attention over the context-parallel group: p2p (ring), all_gather, or auto (the cost model)")
+    g.add_argument("--backend", choices=("auto", "native", "te"), default="auto",
+                   help="implementation for ops that say impl: auto (default auto: TransformerEngine where installed)")
+    g.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="micro-batch size for sizes in the plan")
+    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="activation/parameter dtype for bytes")
+    g.add_argument("--no-fuse", dest="fuse", action="store_false",
+                   help="keep every boundary as its own call (no absorption into GEMMs)")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value (or a dotted path in the spec); repeatable")
+    for key, flag in MEGATRON_CONFIG_FLAGS.items():
+        g.add_argument(flag, dest=f"cfg_{key}", type=int, default=None, metavar="N", help=argparse.SUPPRESS)
+
+
+def settings_from(args):
+    from .frontend.model import Settings
+
+    if args.tp < 1:
+        raise SpecError(Loc("--tensor-model-parallel-size"), f"must be at least 1, got {args.tp}")
+    if args.micro_batch_size < 1:
+        raise SpecError(Loc("--micro-batch-size"), f"must be at least 1, got {args.micro_batch_size}")
+    if args.sp and args.tp == 1:
+        raise SpecError(Loc("--sequence-parallel"), "needs --tensor-model-parallel-size 2 or more (sequence "
+                        "parallelism shards the sequence over the tensor-parallel ranks)", "add --tp N, or drop --sp")
+    if args.cp < 1:
+        raise SpecError(Loc("--context-parallel-size"), f"must be at least 1, got {args.cp}")
+    if args.cp_comm_type != "auto" and args.cp == 1:
+        raise SpecError(Loc("--cp-comm-type"), "has no effect without context parallelism",
+                        "add --context-parallel-size N, or drop --cp-comm-type")
+    return Settings(tp=args.tp, sp=args.sp and args.tp > 1, backend=args.backend,
+                    micro_batch_size=args.micro_batch_size, dtype=args.dtype, fuse=args.fuse, cp=args.cp,
+                    cp_comm_type=args.cp_comm_type)
+
+
+def overrides_from(args) -> list:
+    import yaml
+
+    out, seen = [], {}
+    for item in args.overrides:
+        loc = Loc(f"--set {item}")
+        if "=" not in item:
+            raise SpecError(loc, "expected KEY=VALUE", "e.g. --set hidden_size=2048")
+        key, text = item.split("=", 1)
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        if isinstance(value, (dict, list)) or value is None:
+            raise SpecError(loc, f"value '{text}' must be a number, boolean or string")
+        out.append((key.strip(), value, loc))
+    for key, flag in MEGATRON_CONFIG_FLAGS.items():
+        value = getattr(args, f"cfg_{key}", None)
+        if value is not None:
+            out.append((key, value, Loc(f"{flag} {value}")))
+    for key, value, loc in out:  # the same key twice with different values: the later would win silently
+        if key in seen and seen[key][0] != value:
+            raise SpecError(loc, f"'{key}' is also set by {seen[key][1]}, to another value", "give it once")
+        seen.setdefault(key, (value, loc))
+    return out

@@ -1,0 +1,181 @@
+"""The flags of `specc train SPEC [flags]` and of one training rank, `torchrun ... -m
+specc_torch.train SPEC [flags]`: Megatron's names with Megatron's meaning, and the hints for
+Megatron's architecture flags (here the spec holds the architecture). Parsing only: the command
+that launches is specc/commands/train.py, the rank's entry specc_torch/train.py."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..args import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError
+
+LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
+                "rdzv_endpoint", "rdzv_id", "max_restarts")
+
+
+# Megatron's architecture flags: here the architecture is the spec. Each names what the flag
+# selects, a shipped spec (under specs/) that has that structure, and the --set that sets its
+# value there ("{}": the value given, "N" where the flag takes none); a dict picks by value.
+MEGATRON_ARCHITECTURE_FLAGS = {
+    "--swiglu": ("a SwiGLU MLP", "specs/llama.yaml", None),
+    "--squared-relu": None,
+    "--normalization": {"rmsnorm": ("RMSNorm", "specs/llama.yaml", None),
+                        "layernorm": ("LayerNorm", "specs/gpt.yaml", None)},
+    "--num-query-groups": ("grouped-query attention", "specs/llama.yaml", "num_query_groups={}"),
+    "--group-query-attention": ("grouped-query attention", "specs/llama.yaml", "num_query_groups=N"),
+    "--position-embedding-type": {"rope": ("rotary position embeddings", "specs/llama.yaml", "rotary_base=B"),
+                                  "learned_absolute": ("learned absolute position embeddings", "specs/gpt.yaml",
+                                                       "max_position_embeddings=N")},
+    "--use-rotary-position-embeddings": ("rotary position embeddings", "specs/llama.yaml", "rotary_base=B"),
+    "--rotary-base": ("rotary position embeddings", "specs/llama.yaml", "rotary_base={}"),
+    "--max-position-embeddings": ("learned absolute position embeddings", "specs/gpt.yaml",
+                                  "max_position_embeddings={}"),
+    "--untie-embeddings-and-output-weights": ("an output layer with its own weight", "specs/llama.yaml", None),
+    "--disable-bias-linear": ("linear layers without biases", "specs/llama.yaml", None),
+    "--add-qkv-bias": ("a QKV projection with a bias", "specs/gpt.yaml", None),
+    "--kv-channels": ("the attention head size", "SPEC", "head_dim={}"),
+    "--norm-epsilon": ("the RMSNorm epsilon", "specs/llama.yaml", "norm_epsilon={}"),
+    "--layernorm-epsilon": ("the LayerNorm epsilon", "specs/gpt.yaml", "layernorm_epsilon={}"),
+    "--hidden-dropout": ("dropout on the residual stream", "specs/gpt.yaml", "hidden_dropout={}"),
+    "--attention-dropout": ("dropout on the attention probabilities", "specs/gpt.yaml", "attention_dropout={}"),
+    "--init-method-std": ("the initialization's standard deviation", "SPEC", "init_std={}"),
+    "--vocab-size": ("the vocabulary size", "SPEC", "vocab_size={}"),
+    "--padded-vocab-size": ("the vocabulary size", "SPEC", "vocab_size={}"),
+    "--make-vocab-size-divisible-by": ("a padded vocabulary (a multiple of the TP size)", "SPEC", "vocab_size=N"),
+}
+
+
+def megatron_architecture_hint(flag: str, value: str, prog: str) -> str | None:
+    """The hint for a Megatron architecture flag given with `value` ("" when none; None: not one
+    of them)."""
+    if flag not in MEGATRON_ARCHITECTURE_FLAGS:
+        return None
+    entry = MEGATRON_ARCHITECTURE_FLAGS[flag]
+    if isinstance(entry, dict):
+        if value.lower() not in entry:
+            return "hint: " + "; ".join(_where(e, "N", prog) for e in entry.values())
+        entry = entry[value.lower()]
+    if entry is None:
+        shipped = ", ".join(sorted({e[1] for e in _entries() if e[1] != "SPEC"}))
+        return (f"hint: no shipped spec has that structure: write it in a spec (docs/spec-language.md), e.g. "
+                f"starting from {shipped}")
+    return "hint: " + _where(entry, value if value and not value.startswith("-") else "N", prog)
+
+
+def _where(entry, value: str, prog: str) -> str:
+    what, spec, setting = entry
+    command = f"{prog} {spec}" + (f" --set {setting.format(value)}" if setting else "")
+    if spec == "SPEC":
+        return f"{what} is the spec's config value {setting.split('=')[0]}: {command}"
+    return f"{spec} has {what}: {command}"
+
+
+def _entries():
+    for entry in MEGATRON_ARCHITECTURE_FLAGS.values():
+        for e in (entry.values() if isinstance(entry, dict) else [entry]):
+            if e is not None:
+                yield e
+
+
+def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
+    p.add_argument("spec", metavar="SPEC", help="a model spec (.yaml)")
+    if launcher:
+        g = p.add_argument_group("launch (passed to torchrun)")
+        g.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N",
+                       help="ranks on this node (default 1: run in this process)")
+        g.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes (default 1)")
+        g.add_argument("--node-rank", "--node_rank", type=int, default=None, metavar="R")
+        g.add_argument("--master-addr", "--master_addr", default=None, metavar="HOST")
+        g.add_argument("--master-port", "--master_port", type=int, default=None, metavar="PORT")
+        g.add_argument("--rdzv-backend", "--rdzv_backend", default=None)
+        g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT")
+        g.add_argument("--rdzv-id", "--rdzv_id", default=None)
+        g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="R",
+                       help="torchrun's elastic restarts after a rank fails (default 0); a restarted run resumes "
+                       "from the latest checkpoint in --save")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1, metavar="N")
+    g.add_argument("--sequence-parallel", "--sp", dest="sp", action="store_true",
+                   help="sequence parallelism between the tensor-parallel GEMMs (needs TP > 1)")
+    g.add_argument("--context-parallel-size", "--cp", dest="cp", type=int, default=1, metavar="N",
+                   help="context parallelism: each sample's sequence sharded over N ranks in load-balanced chunks "
+                   "(default 1)")
+    g.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("auto", "p2p", "all_gather"), default="auto",
+                   help="attention over the context-parallel group: p2p (ring), all_gather, or auto (the cost model)")
+    g.add_argument("--pipeline-model-parallel-size", dest="pp", type=int, default=1, metavar="N", help="must be 1")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard Adam state and fp32 master weights over the data-parallel ranks")
+    g.add_argument("--ddp-bucket-size", type=int, default=4_000_000, metavar="ELEMENTS",
+                   help="gradient elements per data-parallel bucket (default 4000000)")
+    g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
+                   help="reduce gradients after backward instead of overlapping with it")
+
+    g = p.add_argument_group("model (override the spec's config)")
+    for key, flag in MEGATRON_CONFIG_FLAGS.items():
+        g.add_argument(flag, dest=f"cfg_{key}", type=int, default=None, metavar="N")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config value of the spec; repeatable")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1, metavar="B")
+    g.add_argument("--global-batch-size", type=int, default=None, metavar="B",
+                   help="default: micro batch * DP (no accumulation)")
+    g.add_argument("--train-iters", type=int, default=100, metavar="N")
+    g.add_argument("--eval-interval", type=int, default=1000, metavar="N")
+    g.add_argument("--eval-iters", type=int, default=10, metavar="N", help="global batches per evaluation (0: none)")
+    g.add_argument("--log-interval", type=int, default=100, metavar="N")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and autocast, fp32 master weights and grads")
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+
+    g = p.add_argument_group("optimizer (AdamW) and learning rate")
+    g.add_argument("--lr", type=float, default=1.0e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0, metavar="N")
+    g.add_argument("--lr-decay-style", default="linear", choices=("constant", "linear", "cosine"))
+    g.add_argument("--lr-decay-iters", type=int, default=None, metavar="N", help="default: --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1.0e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient norm limit (0: no clipping)")
+
+    g = p.add_argument_group("data, checkpoints, logs")
+    g.add_argument("--data-path", default=None, metavar="DIR",
+                   help="a directory from `specc data prepare` (default: the Python standard library's sources, "
+                   "byte tokenizer, prepared into RUN_DIR/data)")
+    g.add_argument("--split", default="969,30,1", metavar="TRAIN,VALID[,TEST]")
+    g.add_argument("--save", default=None, metavar="DIR")
+    g.add_argument("--load", default=None, metavar="DIR")
+    g.add_argument("--save-interval", type=int, default=None, metavar="N")
+    g.add_argument("--keep-last", type=int, default=None, metavar="K",
+                   help="keep only the newest K checkpoints in --save (default: all)")
+    g.add_argument("--allow-spec-change", action="store_true",
+                   help="--load a checkpoint saved from another version of the spec (names and shapes still must match)")
+    g.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="config.json, metrics.jsonl, tensorboard/ (default runs/SPEC_NAME)")
+    g.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="progress bar (default: when stderr is a terminal)")
+    g.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def build_rank_parser() -> argparse.ArgumentParser:
+    """The parser of `python -m specc_torch.train` (one rank; torchrun launched it)."""
+    p = _RankParser(prog="python -m specc_torch.train",
+                    description="Train a compiled spec (run under torchrun, one process per rank).")
+    add_train_arguments(p, launcher=False)
+    p.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # from `specc train`, already checked
+    return p
+
+
+class _RankParser(ArgumentParser):
+    """The rank's parser prints its one-line error itself: no `specc main` around it."""
+
+    def parse_args(self, args=None, namespace=None):
+        try:
+            return super().parse_args(args, namespace)
+        except UsageError as e:
+            print(e.format(), file=sys.stderr)
+            raise SystemExit(2) from None

@@ -1,0 +1,25 @@
+"""The layer above the compiler (specc/, no torch) and the runtime (runtime/, no specc): what
+needs both.
+
+    specc_torch.api      compile_source, build_model: a model from a spec compiled in memory
+    specc_torch.verify   `specc verify`: compiled models at TP/SP/CP settings against TP=1
+    specc_torch.train    `specc train`'s launcher and `torchrun -m specc_torch.train SPEC [flags]`
+    specc_torch.hf       `specc hf import|export`, driven by the spec's `hf:` mapping
+
+tests/test_layering.py checks the layering: runtime imports nothing from specc or specc_torch,
+specc imports no torch, and no import cycle joins modules of different packages."""
+
+from .api import build_model, compile_source
+
+__all__ = ["build_model", "compile_source", "import_hf", "export_hf"]
+
+# Hugging Face interop (safetensors, torch.distributed.checkpoint) is imported on first use.
+_LAZY = {"import_hf": "hf", "export_hf": "hf"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
