@@ -88,32 +88,49 @@ def _saved(graph, op, elt: int) -> list:
 
 
 def _fold(graph, raw: list):
-    """Show a repeated module's ops once when all its instances are identical."""
-    groups = {}
-    patterns = {}
-    for scope, count in sorted(graph.repeats.items()):
-        rx = re.compile(re.escape(scope) + r"\.(\d+)(\.|:|$)")
-        by_index: dict = {}
-        for e in raw:
-            m = rx.match(e.name)
-            if m:
-                by_index.setdefault(int(m.group(1)), []).append(e)
-        sigs = {i: [_signature(e, f"{scope}.{i}") for e in es] for i, es in by_index.items()}
-        if len(by_index) == count and all(s == sigs[0] for s in sigs.values()):
-            patterns[scope] = rx
-            groups[f"{scope}.*"] = count
-    out = []
-    for e in raw:
-        folded = False
-        for scope, rx in patterns.items():
-            m = rx.match(e.name)
-            if m:
-                folded = True
-                if int(m.group(1)) == 0:
-                    out.append(_renamed(e, f"{scope}.*" + e.name[m.end(1):], groups[f"{scope}.*"]))
-        if not folded:
-            out.append(e)
+    """Show a repeated module's ops once when all its instances are identical; nested repeats fold
+    inside a folded instance too (`layers.*.experts.*`, counted as the product). Linear in the
+    number of entries: each entry's name is read once for the instances it lies in."""
+    chains = [_instances(graph.repeats, e.name) for e in raw]
+    sigs: dict = {}  # repeated scope -> {instance index: signatures of the entries inside it}
+    for e, chain in zip(raw, chains):
+        for scope, index, _, end in chain:
+            sigs.setdefault(scope, {}).setdefault(index, []).append(_signature(e, e.name[:end]))
+    folds = {scope for scope, by_index in sigs.items()
+             if len(by_index) == graph.repeats[scope] and all(s == by_index[0] for s in by_index.values())}
+    out, groups = [], {}
+    for e, chain in zip(raw, chains):
+        pieces, last, count, shown = [], 0, 1, True
+        for scope, index, start, end in chain:
+            if scope not in folds:
+                continue
+            if index != 0:  # instance 0 stands for all of them
+                shown = False
+                break
+            pieces += [e.name[last:start], "*"]
+            last = end
+            count *= graph.repeats[scope]
+            groups["".join(pieces)] = graph.repeats[scope]
+        if shown:
+            out.append(_renamed(e, "".join(pieces) + e.name[last:], count) if pieces else e)
     return out, groups
+
+
+_INDEX = re.compile(r"\d+")
+
+
+def _instances(repeats: dict, name: str) -> list:
+    """The instances of repeated modules an op (by its name) lies in, outermost first:
+    [(repeated scope, index, start, end)] with name[start:end] the index's digits."""
+    out = []
+    j = name.find(".")
+    while j != -1:
+        if name[:j] in repeats:
+            m = _INDEX.match(name, j + 1)
+            if m and (m.end() == len(name) or name[m.end()] in ".:"):
+                out.append((name[:j], int(m.group()), m.start(), m.end()))
+        j = name.find(".", j + 1)
+    return out
 
 
 def _signature(e: Entry, prefix: str):
@@ -180,8 +197,6 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
 
 
 def _layer_of(graph, name: str):
-    for scope in graph.repeats:
-        m = re.match(re.escape(scope) + r"\.(\d+)(\.|:|$)", name)
-        if m:
-            return f"{scope}.{m.group(1)}"
-    return None
+    """The outermost repeated-module instance an op lies in (`layers.3`), or None."""
+    chain = _instances(graph.repeats, name)
+    return name[:chain[0][3]] if chain else None
