@@ -4,6 +4,7 @@ every boundary is a visible call with a comment naming its collective."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import textwrap
@@ -11,6 +12,7 @@ import textwrap
 import jinja2
 
 from .. import __version__
+from ..errors import SpecError
 from ..layouts import SH, SS, I, P, R
 from ..ops import OPS
 from ..ops.base import EmitCtx
@@ -115,7 +117,7 @@ class _Emitter:
         names = _Names(mdef.inputs, args)
         items = self.items[scope]
         last_use = self._last_uses(items, outs)
-        init, body, built = [], [], set()
+        init, body, built = [], [], {}
         partial = []
         for index, (what, x) in enumerate(items):
             if what == "call":
@@ -130,8 +132,13 @@ class _Emitter:
             if not kind.converts():
                 ctor = self._constructor(op)
                 if ctor and op.attr_name not in built:
-                    built.add(op.attr_name)
+                    built[op.attr_name] = ctor
                     init.append(f"self.{op.attr_name} = {ctor}")
+                elif ctor and built[op.attr_name] != ctor:
+                    # one module, one constructor: never emit a module that cannot run
+                    raise SpecError(op.loc, f"{op.attr_name} is called at several places whose layouts need "
+                                    f"different modules ({built[op.attr_name]} and {ctor})",
+                                    "give each call its own submodule, or make their inputs alike")
             owner = kind.owner(op)
             for w in op.partial_grad:
                 axes = [a for a in self.mesh.axes if w in op.partial_grads.get(a, ())]
@@ -217,9 +224,9 @@ class _Names:
     def bind(self, vid: str, base: str, index: int, last_use: dict, suffix: str = "") -> str:
         if vid in self.of:
             return self.of[vid]
-        candidates = [base] if not suffix else []
         stem = f"{base}_{suffix}" if suffix else base
-        candidates += [stem] + [f"{stem}_{n}" for n in range(2, 1000)]
+        # drawn one by one: most values take the first name, so never build the whole list
+        candidates = itertools.chain([base] if not suffix else [], [stem], (f"{stem}_{n}" for n in range(2, 1000)))
         for name in candidates:
             held = self.holder.get(name)
             if held is None or last_use.get(held, -1) <= index:
