@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import queue
 import socket
 import statistics
@@ -38,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train_step import SavedBytes, make_batches, overrides  # noqa: E402
+from train_step import SavedBytes, add_model_arguments, machine_line, make_batches, overrides  # noqa: E402
 
 import runtime  # noqa: E402
 import specc_torch  # noqa: E402
@@ -143,16 +142,7 @@ def table(cp1, cp2, plan1, plan2) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--output", default=os.path.join(ROOT, "docs", "benchmarks.md"))
-    p.add_argument("--no-write", action="store_true", help="print the table only")
+    add_model_arguments(p, seq=1024, batch=2)
     cfg = p.parse_args(argv)
     shape = (f"gpt.yaml at hidden {cfg.hidden}, {cfg.layers} layers, {cfg.heads} heads, seq {cfg.seq}, vocab "
              f"{cfg.vocab}, micro-batch {cfg.batch}, fp32; {cfg.steps} timed steps each after 2 warm-up steps")
@@ -174,9 +164,7 @@ def main(argv=None) -> int:
 
 def write_section(path, shape, text, elapsed):
     """Replace this benchmark's section of docs/benchmarks.md (or append it); the rest stays."""
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-               f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only (gloo)'}")
-    section = SECTION.format(heading=HEADING, shape=shape, table=text, machine=machine, elapsed=elapsed,
+    section = SECTION.format(heading=HEADING, shape=shape, table=text, machine=machine_line(), elapsed=elapsed,
                              date=datetime.date.today().isoformat())
     with open(path, encoding="utf-8") as f:
         doc = f.read()

@@ -394,16 +394,7 @@ def table(cfg, tp1, tp2) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--output", default=os.path.join(ROOT, "docs", "benchmarks.md"))
-    p.add_argument("--no-write", action="store_true", help="print the table only")
+    add_model_arguments(p, seq=256, batch=4)
     cfg = p.parse_args(argv)
     shape = (f"gpt.yaml at hidden {cfg.hidden}, {cfg.layers} layers, {cfg.heads} heads, seq {cfg.seq}, vocab "
              f"{cfg.vocab}, micro-batch {cfg.batch}; {cfg.steps} timed steps each after 2 warm-up steps")
@@ -423,10 +414,27 @@ def main(argv=None) -> int:
     return 0
 
 
+def add_model_arguments(p: argparse.ArgumentParser, seq: int, batch: int) -> None:
+    """The model and run flags every step benchmark takes (gpt.yaml's sizes and the doc to write)."""
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--output", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+
+
+def machine_line() -> str:
+    return (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+            f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only (gloo)'}")
+
+
 def write_doc(path, shape, text, elapsed):
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-               f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only (gloo)'}")
-    doc = DOC.format(shape=shape, table=text, machine=machine, elapsed=elapsed, date=datetime.date.today().isoformat())
+    doc = DOC.format(shape=shape, table=text, machine=machine_line(), elapsed=elapsed, date=datetime.date.today().isoformat())
     rest = ""  # the sections other benchmarks write after this one (bench/cp_step.py's) stay
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
