@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 TORCH  := torch==2.13.0
 
-.PHONY: demo test lint check clean
+.PHONY: demo test lint check clean gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ lint: $(STAMP)
 
 check: $(STAMP)
 	$(BIN)/python -m specc check generated
+
+# The prepared GPU check (bench/gpu_check.py; results in docs/benchmarks.md, "GPU check"): the first
+# thing to run on a CUDA machine, under 10 minutes on one GPU. It uses .venv when there is one and
+# the machine's own python3 (with torch) otherwise: a GPU machine may have no package registry.
+gpu-check:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
