@@ -128,10 +128,12 @@ def cmd_verify(args) -> int:
 
     cfg = VerifyConfig(spec=args.spec, tps=sorted(set([1] + tps)), sps=sps, steps=args.steps, seed=args.seed,
                        batch=args.batch, overrides=overrides, tolerance=args.tolerance, mutate=args.mutate,
-                       tp_invariant_dropout=args.tp_invariant_dropout, cps=sorted(set([1] + cps)), cp_comm_types=comms)
+                       tp_invariant_dropout=args.tp_invariant_dropout, cps=sorted(set([1] + cps)), cp_comm_types=comms,
+                       torch_compile=args.torch_compile_backend if args.torch_compile else None)
     cp_text = f", cp {','.join(map(str, cfg.cps))} ({args.cp_comm_mode})" if max(cfg.cps) > 1 else ""
     print(f"specc verify {args.spec}: tp {','.join(map(str, cfg.tps))}{cp_text}, sp {args.sp_mode}, {cfg.steps} steps, "
-          f"batch {cfg.batch}, seed {cfg.seed}" + (f", MUTATION {cfg.mutate}" if cfg.mutate else ""), flush=True)
+          f"batch {cfg.batch}, seed {cfg.seed}" + (f", MUTATION {cfg.mutate}" if cfg.mutate else "") +
+          (f", torch.compile ({cfg.torch_compile}) against the eager reference" if cfg.torch_compile else ""), flush=True)
     try:
         rows = verify(cfg)
     except RankFailure as e:
@@ -223,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "exactly (without it, dropout is compared statistically)")
     c.add_argument("--mutate", default=None, metavar="NAME",
                    help="break the compiled module on purpose (drop-partial-grad, one-slab-segments, drop-reduction)")
+    c.add_argument("--torch-compile", action="store_true",
+                   help="torch.compile the checked models' repeated layers; the TP=1 reference stays eager")
+    c.add_argument("--torch-compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"),
+                   help="the torch.compile backend (default inductor)")
     for key, flag in MEGATRON_CONFIG_FLAGS.items():
         c.add_argument(flag, dest=f"cfg_{key}", type=int, default=None, help=argparse.SUPPRESS)
     c.set_defaults(func=cmd_verify)

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+from runtime.compile import repeated_layers
 from runtime.data import DataError, IndexedTokens, build_datasets, prepare, stdlib_files
 from runtime.train.config import (
     CheckpointConfig,
@@ -60,7 +61,8 @@ def config_from_args(args) -> TrainConfig:
                               log_interval=args.log_interval, progress=args.progress),
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-        bf16=args.bf16, seed=args.seed, device=args.device)
+        bf16=args.bf16, seed=args.seed, device=args.device,
+        torch_compile=args.torch_compile_backend if args.torch_compile else None)
 
 
 def config_from_dict(d: dict) -> TrainConfig:
@@ -497,6 +499,9 @@ def _report_setup(reporter, cfg: TrainConfig, setup, pg, datasets) -> None:
                   f"{cfg.num_micro_batches} accumulation steps; device {setup.device}")
     reporter.info(f"parameters on this rank: {params:,} ({setup.ddp.param_dtype}); gradient buckets: "
                   f"{len(setup.ddp.buckets)}; {'bf16 autocast, ' if cfg.bf16 else ''}fp32 gradients and master weights")
+    if cfg.torch_compile:
+        reporter.info(f"torch.compile (backend {cfg.torch_compile}): each of the {len(repeated_layers(setup.model))} "
+                      f"repeated layers compiled on its own, the rest eager; the first steps include compilation")
     measured, replicated = opt.state_bytes(), opt.replicated_state_bytes()
     kind = f"distributed over DP={pg.dp.size}" if opt.distributed else "replicated"
     reporter.info(f"optimizer state per rank (measured): {measured / 2**20:.3f} MiB, {kind}; a replicated optimizer "

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from runtime.comm import CommCounter
+from runtime.compile import compile_layers
 from runtime.grads import finalize_model_grads
 from runtime.init import gather_full, randomize_parameters
 from runtime.parallel_state import ProcessGroups
@@ -61,6 +62,7 @@ class VerifyConfig:
     mask_draws: int = 32  # dropout on, statistical mode: independent masks per side
     cps: list = field(default_factory=lambda: [1])  # context-parallel sizes
     cp_comm_types: list = field(default_factory=lambda: ["auto"])  # attention over CP: p2p, all_gather, auto
+    torch_compile: str | None = None  # a torch.compile backend for the checked models' layers (the reference is eager)
 
 
 @dataclass
@@ -383,16 +385,18 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
     single = ProcessGroups.single()
     statistical = _has_dropout(graph) and not cfg.tp_invariant_dropout
 
-    def build(source, name, pg, randomized):
+    def build(source, name, pg, randomized, checked=True):
         tracker = RNGTracker(cfg.seed, pg.tp.rank, tp_invariant=cfg.tp_invariant_dropout, cp_rank=pg.cp.rank)
         model = api.load_module_from_source(source, name).build_model(pg, seed=cfg.seed, rng_tracker=tracker)
         if randomized:
             randomize_parameters(model, cfg.seed)
+        if checked and cfg.torch_compile:
+            compile_layers(model, cfg.torch_compile)
         return model
 
     refs = {}
     for prefix, randomized in WEIGHTS:
-        ref_model = build(src, spec.name, single, randomized)
+        ref_model = build(src, spec.name, single, randomized, checked=False)
         refs[prefix] = _mask_losses(ref_model, cfg, inputs) if statistical else \
             _run(ref_model, single, cfg, inputs, path, layout, _activation_sites(graph))
     rows = []

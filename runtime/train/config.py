@@ -86,6 +86,7 @@ class TrainConfig:
     bf16: bool = False
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
+    torch_compile: str | None = None  # a torch.compile backend for each repeated layer (None: eager)
 
     @property
     def num_micro_batches(self) -> int:

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from .. import api, comm
+from ..compile import compile_layers
 from ..ddp import DistributedDataParallel
 from ..grads import finalize_model_grads
 from ..optim import Adam, LRSchedule
@@ -76,6 +77,8 @@ def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch
     model = module.build_model(pg, seed=cfg.seed, rng_tracker=rng).to(device)
     if cfg.bf16:
         model = model.to(torch.bfloat16)  # the optimizer keeps fp32 master weights
+    if cfg.torch_compile:
+        compile_layers(model, cfg.torch_compile)  # in place: parameter names and objects unchanged
     opt = cfg.optimizer
     ddp = DistributedDataParallel(model, pg, bucket_size=opt.bucket_size,
                                   grad_reduce="reduce_scatter" if opt.use_distributed_optimizer else "all_reduce",

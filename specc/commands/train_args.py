@@ -129,6 +129,10 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and autocast, fp32 master weights and grads")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--torch-compile", action="store_true",
+                   help="torch.compile each repeated layer (regionally, as torchtitan does)")
+    g.add_argument("--torch-compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"),
+                   help="the torch.compile backend (default inductor)")
 
     g = p.add_argument_group("optimizer (AdamW) and learning rate")
     g.add_argument("--lr", type=float, default=1.0e-3)
