@@ -120,6 +120,23 @@ class CoreAttention(OpKind):
         bwd = [("send", step), ("recv", step)] * (2 * n - 1)
         return fwd, bwd
 
+    def flops(self, node, local_in, local_out, mesh):
+        """Q K^T and the probabilities times V: 2 * 2 * b * s_q * s_k * heads * head_dim forward;
+        backward 2x (dQ, dK from the scores' gradient; dV, dP from the output's). Under CP a
+        rank's queries meet the whole sequence's keys (s_k = s_q * cp). Causal: the fused
+        kernels (SDPA, flash, TE, and the CP ring whatever the impl) skip the blocks above the diagonal, so half the
+        pairs count (Megatron's convention, s^2/2; the diagonal blocks they compute in full are
+        not counted); the unfused path multiplies the whole s x s matrix and masks it, so all count."""
+        q = local_in[0]
+        s_q, b = q[0], q[1]
+        heads = q[-1] // node.attrs["head_dim"]
+        cp = mesh.size("cp") if node.in_layouts and node.in_layouts[0]["cp"] == "S(s)" else 1
+        pairs = s_q * s_q * cp
+        if node.attrs["causal"] and (node.impl != "unfused" or cp > 1):
+            pairs //= 2
+        forward = 2 * 2 * b * pairs * heads * node.attrs["head_dim"]
+        return forward, 2 * forward
+
     def saved_bytes(self, node, local_in, local_out, elt):
         q, k, v = local_in
         s, b = q[0], q[1]

@@ -179,6 +179,15 @@ class OpKind:
         """[(key, bytes)] kept for backward; a key names a tensor, so a tensor two ops keep counts once."""
         return []
 
+    # -- arithmetic: FLOPs of one rank, (forward, backward) ----------------------------------
+    def flops(self, node, local_in: list, local_out: list, mesh) -> tuple:
+        """(forward, backward) floating-point operations of the matrix multiplies this op runs on
+        one rank, a multiply-add counting 2. Only matrix multiplies count, as in MFU's
+        definition (PaLM, Megatron): elementwise ops, norms, softmax and lookups run at memory
+        speed and are not what the peak measures. An op whose implementation multiplies
+        matrices says so here."""
+        return 0, 0
+
     # -- emission --------------------------------------------------------------------------
     def constructor(self, node, ctx: "EmitCtx") -> str | None:
         """Python expression building the submodule, or None when the op holds no module."""

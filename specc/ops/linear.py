@@ -110,6 +110,13 @@ class Linear(OpKind):
         # the weight gradient needs the input; an absorbed sequence gather keeps only the shard
         return [(node.inputs[0], numel(local_in[0]) * elt)]
 
+    def flops(self, node, local_in, local_out, mesh):
+        # forward x W^T over this rank's rows of the output and its slice of the input features
+        # (an absorbed sequence gather multiplies the gathered rows: count the output's);
+        # backward the input gradient and the weight gradient, one GEMM of that size each
+        forward = 2 * numel(local_out[0]) * local_in[0][-1]
+        return forward, 2 * forward
+
     def constructor(self, node, ctx):
         a = node.attrs
         args = [str(a["in_features"]), str(a["out_features"])]

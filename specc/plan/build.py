@@ -27,6 +27,8 @@ class Entry:
     saved: int  # activation bytes kept for backward
     notes: list = field(default_factory=list)
     count: int = 1
+    flops: tuple = (0, 0)  # (forward, backward) matrix-multiply FLOPs on one rank, one instance
+    weights: tuple = ()  # ((name, shape on one rank), ...) of the weights the op owns
 
 
 @dataclass
@@ -75,15 +77,30 @@ def _entry(graph, op, elt: int) -> Entry:
         notes.append(f"cp {op.attrs['cp_comm_type_resolved']}: {op.attrs['cp_comm_reason']}")
     entry = Entry(op.id, op.kind, op.impl, op.impl_reason, [str(x) for x in op.in_layouts],
                   [str(x) for x in op.out_layouts], fwd, bwd, 0, notes)
+    local_in, local_out = _local_shapes(graph, op)
+    entry.flops = tuple(kind.flops(op, local_in, local_out, graph.mesh))
+    entry.weights = tuple((w.name, _local_weight_shape(w, graph.spec.settings)) for w in kind.weights(op.attrs))
     entry.saved_items = _saved(graph, op, elt)
     entry.saved = sum(b for _, b in entry.saved_items)
     return entry
 
 
-def _saved(graph, op, elt: int) -> list:
+def _local_shapes(graph, op) -> tuple:
     values = graph.values
     local_in = [local_shape_dims(values[v].shape, lay, values[v].seq_dim) for v, lay in zip(op.inputs, op.in_layouts)]
     local_out = [local_shape_dims(values[v].shape, lay, values[v].seq_dim) for v, lay in zip(op.outputs, op.out_layouts)]
+    return local_in, local_out
+
+
+def _local_weight_shape(w, settings) -> tuple:
+    shape = list(w.shape)
+    if w.shard_dim is not None:
+        shape[w.shard_dim] //= settings.tp
+    return tuple(shape)
+
+
+def _saved(graph, op, elt: int) -> list:
+    local_in, local_out = _local_shapes(graph, op)
     return OPS[op.kind].saved_bytes(op, local_in, local_out, elt)
 
 
@@ -135,12 +152,12 @@ def _instances(repeats: dict, name: str) -> list:
 
 def _signature(e: Entry, prefix: str):
     return (e.name[len(prefix):], e.kind, e.impl, tuple(e.layouts_in), tuple(e.layouts_out), tuple(e.forward),
-            tuple(e.backward), e.saved, tuple(n.replace(prefix, "") for n in e.notes))
+            tuple(e.backward), e.saved, tuple(n.replace(prefix, "") for n in e.notes), e.flops, e.weights)
 
 
 def _renamed(e: Entry, name: str, count: int) -> Entry:
     out = Entry(name, e.kind, e.impl, e.impl_reason, e.layouts_in, e.layouts_out, e.forward, e.backward, e.saved,
-                e.notes, count)
+                e.notes, count, e.flops, e.weights)
     out.saved_items = e.saved_items
     return out
 
@@ -180,6 +197,9 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
             layer = _layer_of(graph, e.name)
             if layer is not None:
                 per_layer[layer] = per_layer.get(layer, 0) + nbytes
+    # every op instance's matrix multiplies, forward and backward (docs/training.md: the FLOP count)
+    flops_fwd = sum(e.flops[0] for e in raw)
+    flops_bwd = sum(e.flops[1] for e in raw)
     totals = {
         "collectives": coll,
         "grad_sync": grad_sync,
@@ -190,6 +210,8 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
         "tp_partial_grad_parameters": partial.get("tp", 0),
         "activation_bytes": saved,
         "activation_bytes_per_layer": dict(sorted(per_layer.items())),
+        "flops": {"forward": flops_fwd, "backward": flops_bwd},
+        "flops_per_step": flops_fwd + flops_bwd,
     }
     if settings.cp > 1:
         totals["cp_partial_grad_parameters"] = partial.get("cp", 0)

@@ -65,6 +65,8 @@ def plan_text(plan) -> str:
         f"  gradients                       {human_bytes(t['gradient_bytes']):>12}   (fp32)",
         f"  optimizer state                 {human_bytes(t['optimizer_bytes']):>12}   (Adam, not sharded over DP)",
         f"  activations                     {human_bytes(t['activation_bytes']):>12}   (kept for backward)",
+        f"  matmul FLOPs    {t['flops_per_step']:>14,}   ({t['flops']['forward']:,} forward + "
+        f"{t['flops']['backward']:,} backward)",
     ]
     if plan.groups:
         per = t["activation_bytes_per_layer"]
@@ -94,7 +96,9 @@ def plan_dict(plan) -> dict:
              "layouts_in": e.layouts_in, "layouts_out": e.layouts_out,
              "forward": [{"collective": k, "bytes": b} for k, b in e.forward],
              "backward": [{"collective": k, "bytes": b} for k, b in e.backward],
-             "saved_bytes": e.saved, "notes": e.notes}
+             "saved_bytes": e.saved, "notes": e.notes,
+             "weights": {name: list(shape) for name, shape in e.weights},
+             "flops": {"forward": e.flops[0], "backward": e.flops[1]}}
             for e in plan.entries
         ],
         "groups": dict(sorted(plan.groups.items())),

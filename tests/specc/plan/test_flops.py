@@ -1,0 +1,79 @@
+"""The plan's FLOP count of a training step against the closed form (Narayanan et al. 2021, the
+Megatron-LM paper's eq. 3, with causal attention counted as the fused kernels compute it):
+
+    FLOPs per step = 6 * N * T + 12 * l * b * s^2 * h * c
+
+N: the weights of the matrix multiplies (12 l h^2 in the layers, plus the tied output layer's
+V h: it is a GEMM, while the embedding lookups are not), T = b * s tokens, c = 1/2 for causal
+attention in a fused kernel (the blocks above the diagonal are skipped) and 1 for the unfused
+path (the full s x s scores are multiplied, then masked). Biases, norms, GELU, softmax and the
+cross-entropy are not matrix multiplies and are not counted (docs/training.md)."""
+
+from __future__ import annotations
+
+import os
+from fractions import Fraction
+
+import pytest
+
+from specc.frontend.model import Settings
+from specc.pipeline import load_and_compile
+from specc.plan import build_plan
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+GPT = os.path.join(ROOT, "specs", "gpt.yaml")
+
+
+def _plan(b=2, **settings):
+    _, graph = load_and_compile(GPT, Settings(micro_batch_size=b, **settings))
+    return build_plan(graph)
+
+
+def closed_form(config: dict, b: int, causal_fraction: Fraction) -> int:
+    h, layers, s, v = config["hidden_size"], config["num_layers"], config["seq_length"], config["vocab_size"]
+    ffn = config["ffn_hidden_size"]
+    n = layers * (3 * h * h + h * h + 2 * h * ffn) + v * h  # qkv, proj, fc1, fc2; the tied output layer
+    t = b * s
+    attention = 12 * layers * b * s * s * h * causal_fraction
+    assert attention.denominator == 1
+    return 6 * n * t + int(attention)
+
+
+def test_gpt_step_flops_match_6NT_plus_attention():
+    plan = _plan(b=2)
+    spec, _ = load_and_compile(GPT, Settings(micro_batch_size=2))
+    config = spec.config
+    assert config["ffn_hidden_size"] == 4 * config["hidden_size"]  # so N = 12 l h^2 + V h
+    total = plan.totals["flops_per_step"]
+    assert total == closed_form(config, 2, Fraction(1, 2))
+    assert total == 817_184_636_928 * 2  # the 124M model at s = 1024, b = 2
+    fwd, bwd = plan.totals["flops"]["forward"], plan.totals["flops"]["backward"]
+    assert bwd == 2 * fwd and fwd + bwd == total
+
+
+def test_unfused_attention_counts_the_whole_score_matrix():
+    plan = _plan(b=1, backend="unfused")
+    spec, _ = load_and_compile(GPT, Settings())
+    assert plan.totals["flops_per_step"] == closed_form(spec.config, 1, Fraction(1))
+
+
+@pytest.mark.parametrize("settings", [dict(tp=2), dict(tp=4, sp=True), dict(cp=2), dict(tp=2, cp=2)])
+def test_per_rank_flops_are_the_step_divided_by_the_ranks(settings):
+    """Every GEMM of GPT is sharded over TP (heads, features, vocabulary) and every token-wise op
+    and causal attention over CP in load-balanced chunks: each rank does 1/(tp*cp) of the work,
+    and an absorbed sequence gather does not hide the gathered rows."""
+    whole = _plan(b=1).totals["flops_per_step"]
+    ranks = settings.get("tp", 1) * settings.get("cp", 1)
+    assert _plan(b=1, **settings).totals["flops_per_step"] * ranks == whole
+
+
+def test_plan_json_carries_per_op_flops_and_weight_shapes():
+    from specc.plan.render import plan_dict
+
+    d = plan_dict(_plan(b=1, tp=2))
+    ops = {o["name"]: o for o in d["ops"]}
+    qkv = ops["layers.*.self_attention.linear_qkv"]
+    assert qkv["weights"] == {"weight": [1152, 768], "bias": [1152]}
+    assert qkv["flops"] == {"forward": 2 * 1024 * 768 * 1152, "backward": 4 * 1024 * 768 * 1152}
+    assert sum((o["flops"]["forward"] + o["flops"]["backward"]) * o["count"] for o in d["ops"]) \
+        == d["totals"]["flops_per_step"]
