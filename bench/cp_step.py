@@ -37,7 +37,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train_step import SavedBytes, add_model_arguments, machine_line, make_batches, overrides  # noqa: E402
+from train_step import (  # noqa: E402
+    SavedBytes,
+    add_model_arguments,
+    gemm_peak_gflops,
+    machine_line,
+    make_batches,
+    mfu,
+    overrides,
+    plan_flops,
+)
 
 import runtime  # noqa: E402
 import specc_torch  # noqa: E402
@@ -125,13 +134,15 @@ def bench_cp(cfg, world: int):
     return (max(o[0] for o in got.values()), max(o[1] for o in got.values()), got[0][2])
 
 
-def table(cp1, cp2, plan1, plan2) -> str:
+def table(cp1, cp2, plan1, plan2, flops, peak) -> str:
     (t1, m1, l1), (t2, m2, l2) = cp1, cp2
     mib = 2.0 ** 20
     lines = [
         "| | CP=1 (1 rank) | CP=2 (2 gloo ranks) | CP=2 / CP=1 |",
         "|---|---|---|---|",
         f"| step time, forward + backward (ms) | {t1 * 1e3:.1f} | {t2 * 1e3:.1f} | **{t2 / t1:.3f}** |",
+        f"| MFU (plan FLOPs / time / measured GEMM peak x ranks) | {mfu(flops, t1, peak, 1):.1%} | "
+        f"{mfu(flops, t2, peak, 2):.1%} | |",
         f"| activation memory per rank, measured (MiB) | {m1 / mib:.2f} | {m2 / mib:.2f} | **{m2 / m1:.3f}** |",
         f"| activation memory per rank, plan (MiB) | {plan1 / mib:.2f} | {plan2 / mib:.2f} | {plan2 / plan1:.3f} |",
         f"| measured / plan | {m1 / plan1:.3f} | {m2 / plan2:.3f} | |",
@@ -149,11 +160,13 @@ def main(argv=None) -> int:
     print(f"bench/cp_step.py: {shape}", flush=True)
     start = time.perf_counter()
     plan1, plan2 = plan_activation_bytes(cfg, 1), plan_activation_bytes(cfg, 2)
+    torch.set_num_threads(1)
+    flops, peak = plan_flops(cfg), gemm_peak_gflops()
     cp1 = bench_cp1(cfg)
     print("CP=1 done", flush=True)
     cp2 = bench_cp(cfg, 2)
     elapsed = time.perf_counter() - start
-    text = table(cp1, cp2, plan1, plan2)
+    text = table(cp1, cp2, plan1, plan2, flops, peak)
     print(text)
     assert abs(cp1[2] - cp2[2]) <= 1e-4 * abs(cp1[2]), "not the same model: first losses differ"
     if not cfg.no_write:

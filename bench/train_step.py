@@ -286,6 +286,33 @@ def compiled_loss(model, batch):
     return model(*batch).mean()
 
 
+# -- MFU -------------------------------------------------------------------------------------------
+
+def plan_flops(cfg) -> float:
+    """Matmul FLOPs of one training step (forward and backward) of the whole model at the bench's
+    sizes, from specc's plan: the compiler counts every op's FLOPs."""
+    from specc.plan.build import build_plan
+    from specc.plan.render import plan_dict
+
+    _, _, graph = specc_torch.compile_source(SPEC, 1, overrides=overrides(cfg), micro_batch_size=cfg.batch)
+    return float(plan_dict(build_plan(graph))["totals"]["flops_per_step"])
+
+
+def gemm_peak_gflops(n: int = 1024, repeats: int = 8) -> float:
+    """The fp32 GEMM rate of this process at its thread count: the peak MFU is measured against."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * n ** 3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def mfu(flops: float, seconds: float, peak_gflops: float, ranks: int = 1) -> float:
+    """Model FLOPs utilization: the step's FLOPs over what `ranks` ranks at the peak do meanwhile."""
+    return flops / seconds / (peak_gflops * 1e9 * ranks)
+
+
 # -- TP=1 ------------------------------------------------------------------------------------------
 
 def bench_tp1(cfg):
@@ -372,22 +399,23 @@ def bench_tp2(cfg):
 
 # -- report ----------------------------------------------------------------------------------------
 
-def table(cfg, tp1, tp2) -> str:
-    def row(setting, base_name, res, target):
+def table(cfg, tp1, tp2, flops: float, peak_gflops: float) -> str:
+    def row(setting, base_name, res, target, ranks):
         s_time, s_mem, s_loss = res["specc"]
         b_time, b_mem, b_loss = res[base_name]
         t_ratio, m_ratio = s_time / b_time, s_mem / b_mem
         ok = (t_ratio <= 1.03) if target == "<= 1.03" else (t_ratio < 1.0)
         return (f"| {setting} | {base_name} | {s_time * 1e3:.1f} | {b_time * 1e3:.1f} | **{t_ratio:.3f}** | {target} "
-                f"{'met' if ok else 'missed'} | {s_mem / 2**20:.1f} | {b_mem / 2**20:.1f} | {m_ratio:.3f} | "
-                f"{abs(s_loss - b_loss):.1e} |")
+                f"{'met' if ok else 'missed'} | {mfu(flops, s_time, peak_gflops, ranks):.1%} | "
+                f"{mfu(flops, b_time, peak_gflops, ranks):.1%} | {s_mem / 2**20:.1f} | {b_mem / 2**20:.1f} | "
+                f"{m_ratio:.3f} | {abs(s_loss - b_loss):.1e} |")
 
     lines = [
-        "| setting | baseline | specc step (ms) | baseline step (ms) | time ratio | target | specc MiB/rank | "
-        "baseline MiB/rank | memory ratio | first-loss diff |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        row("TP=1", "eager", tp1, "<= 1.03"),
-        row("TP=2 + SP (2 gloo ranks)", "dtensor", tp2, "< 1"),
+        "| setting | baseline | specc step (ms) | baseline step (ms) | time ratio | target | specc MFU | baseline MFU | "
+        "specc MiB/rank | baseline MiB/rank | memory ratio | first-loss diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        row("TP=1", "eager", tp1, "<= 1.03", 1),
+        row("TP=2 + SP (2 gloo ranks)", "dtensor", tp2, "< 1", 2),
     ]
     return "\n".join(lines)
 
@@ -400,16 +428,18 @@ def main(argv=None) -> int:
              f"{cfg.vocab}, micro-batch {cfg.batch}; {cfg.steps} timed steps each after 2 warm-up steps")
     print(f"bench/train_step.py: {shape}", flush=True)
     start = time.perf_counter()
+    torch.set_num_threads(1)
+    flops, peak = plan_flops(cfg), gemm_peak_gflops()
     tp1 = bench_tp1(cfg)
     print("TP=1 done", flush=True)
     tp2 = bench_tp2(cfg)
     elapsed = time.perf_counter() - start
-    text = table(cfg, tp1, tp2)
+    text = table(cfg, tp1, tp2, flops, peak)
     print(text)
     for res, base in ((tp1, "eager"), (tp2, "dtensor")):
         assert math.isclose(res["specc"][2], res[base][2], rel_tol=1e-3), "not the same model: first losses differ"
     if not cfg.no_write:
-        write_doc(cfg.output, shape, text, elapsed)
+        write_doc(cfg.output, shape, text, elapsed, flops, peak)
         print(f"wrote {cfg.output}")
     return 0
 
@@ -433,8 +463,9 @@ def machine_line() -> str:
             f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only (gloo)'}")
 
 
-def write_doc(path, shape, text, elapsed):
-    doc = DOC.format(shape=shape, table=text, machine=machine_line(), elapsed=elapsed, date=datetime.date.today().isoformat())
+def write_doc(path, shape, text, elapsed, flops, peak):
+    doc = DOC.format(shape=shape, table=text, machine=machine_line(), elapsed=elapsed, date=datetime.date.today().isoformat(),
+                     flops=flops, peak=peak)
     rest = ""  # the sections other benchmarks write after this one (bench/cp_step.py's) stay
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
@@ -452,10 +483,13 @@ DOC = """# Benchmarks
 
 Measured by `python bench/train_step.py` (written by it; rerun to refresh) on {date}:
 {machine}; one thread per rank; the run took {elapsed:.0f} s.
-Model: {shape}.
+Model: {shape}. Matmul FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak of one thread,
+measured: {peak:.1f} GFLOP/s.
 
 {table}
 
+- **MFU** = the plan's FLOPs per step / step time / (GEMM peak x ranks): the same FLOPs for both
+  columns, since both compute the same model.
 - **time ratio** = specc / baseline median step time (zero_grad, forward, backward, gradient
   finalization, AdamW step). Steps of the two implementations alternate, so drift from other load on
   the machine hits both alike.

@@ -1,0 +1,371 @@
+"""Training-step time of specc's compiled GPT against Megatron Core, the system users would
+otherwise pick, measured side by side in one run at TP=1, TP=2 and TP=2 with SP:
+
+  specc          gpt.yaml compiled for the setting (runtime.finalize_model_grads after backward)
+  megatron       Megatron Core 0.19.2's GPTModel with its local (non-TE) layer spec: the same GPT-2
+                 architecture (learned positions, LayerNorm, exact GELU, biases, tied output),
+                 Megatron's own SP layer-norm gradient all-reduce after backward
+  specc+compile  (with --torch-compile) specc with each layer compiled (runtime.compile_layers)
+
+Both sides start from the same weights (specc's TP-invariant init, gathered to full size and cut
+the way Megatron shards: vocabulary rows, per-head [q_h|k_h|v_h] QKV rows, column and row
+splits) and their first losses are compared. A step is zero_grad, forward, backward, gradient
+finalization, torch.optim.AdamW; the implementations alternate step by step and the median is
+taken, over --rounds independent rounds of --steps steps; the ratio reported is the median of
+the per-round ratios. MFU is the model's FLOPs per step (from specc's plan: the compiler counts
+every op) over a measured fp32 GEMM peak at the same thread count (one per rank).
+
+Megatron Core is never a dependency of specc: `bench/setup_megatron.sh` installs it into
+bench/.megatron (what it needs on the CPU is explained there and in cpu_patches below).
+
+    bash bench/setup_megatron.sh
+    python bench/megatron_step.py [--rounds 5 --steps 6] [--torch-compile] [--settings tp1,tp2,tp2sp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+import types
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEGATRON = os.path.join(ROOT, "bench", ".megatron")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from train_step import (  # noqa: E402
+    Runner,
+    compiled_loss,
+    gemm_peak_gflops,
+    machine_line,
+    make_batches,
+    measure,
+    mfu,
+    overrides,
+    plan_flops,
+)
+
+import runtime  # noqa: E402
+import specc_torch  # noqa: E402
+from runtime.compile import compile_layers  # noqa: E402
+from runtime.init import full_parameter  # noqa: E402
+
+SPEC = os.path.join(ROOT, "specs", "gpt.yaml")
+SETTINGS = {"tp1": (1, False), "tp2": (2, False), "tp2sp": (2, True)}
+LABELS = {"tp1": "TP=1", "tp2": "TP=2 (2 gloo ranks)", "tp2sp": "TP=2 + SP (2 gloo ranks)"}
+
+
+# -- Megatron Core on the CPU ----------------------------------------------------------------------
+
+def cpu_patches() -> None:
+    """What Megatron Core needs to run on the CPU: its tensors are created on
+    torch.cuda.current_device(), and its RNG tracker saves and restores CUDA generator states
+    (routed to the CPU generator; with dropout 0 no mask is drawn)."""
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: None
+    import megatron.core.tensor_parallel.random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def sequence_parallel_layer_norm():
+    """Megatron's torch LayerNorm refuses sequence parallelism (its fused ones need Apex/TE): the
+    same nn.LayerNorm with its parameters tagged `sequence_parallel`, which Megatron's
+    finalize_model_grads all-reduces over TP, plugged in through the layer spec."""
+
+    class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+        def __init__(self, config, hidden_size, eps=1e-5, **kwargs):
+            super().__init__(hidden_size, eps=eps)
+            for p in self.parameters():
+                p.sequence_parallel = config.sequence_parallel
+
+    return SequenceParallelLayerNorm
+
+
+def build_megatron(cfg, tp: int, sp: bool):
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    config = TransformerConfig(
+        num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads, ffn_hidden_size=4 * cfg.hidden,
+        tensor_model_parallel_size=tp, sequence_parallel=sp, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, bf16=False, fp16=False,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, layernorm_epsilon=1e-5)
+    spec = get_gpt_layer_local_spec()
+    if sp:
+        import megatron.core.transformer.transformer_block as block
+
+        norm = sequence_parallel_layer_norm()
+        spec.submodules.input_layernorm = norm
+        spec.submodules.pre_mlp_layernorm = norm
+        block.LayerNormImpl = norm  # the final layer norm of the block
+    model = GPTModel(config, spec, vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
+                     position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)
+    model.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)  # read by its finalize helper
+    return model, config
+
+
+def copy_weights(megatron_model, full: dict, heads: int, tp: int, rank: int) -> None:
+    """Megatron's shards of specc's full weights: vocabulary rows, per-head [q_h|k_h|v_h] QKV
+    rows (Megatron's fused layout) cut by heads, fc1 rows, proj/fc2 columns."""
+    def rows(t):
+        return t.chunk(tp, dim=0)[rank]
+
+    def cols(t):
+        return t.chunk(tp, dim=1)[rank]
+
+    def per_head(t):  # [Q | K | V] slabs -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
+        q, k, v = (x.reshape(heads, -1, *t.shape[1:]) for x in t.chunk(3, dim=0))
+        return torch.stack([q, k, v], dim=1).reshape(t.shape)
+
+    target = {"embedding.word_embeddings.weight": rows(full["embedding.weight"]),
+              "embedding.position_embeddings.weight": full["position_embedding.weight"],
+              "decoder.final_layernorm.weight": full["final_layernorm.weight"],
+              "decoder.final_layernorm.bias": full["final_layernorm.bias"]}
+    layers = {n.split(".")[1] for n in full if n.startswith("layers.")}
+    for i in sorted(layers, key=int):
+        s, m = f"layers.{i}.", f"decoder.layers.{i}."
+        for norm_s, norm_m in (("input_layernorm", "input_layernorm"), ("pre_mlp_layernorm", "pre_mlp_layernorm")):
+            for p in ("weight", "bias"):
+                target[m + f"{norm_m}.{p}"] = full[s + f"{norm_s}.{p}"]
+        target[m + "self_attention.linear_qkv.weight"] = rows(per_head(full[s + "self_attention.linear_qkv.weight"]))
+        target[m + "self_attention.linear_qkv.bias"] = rows(per_head(full[s + "self_attention.linear_qkv.bias"]))
+        target[m + "self_attention.linear_proj.weight"] = cols(full[s + "self_attention.linear_proj.weight"])
+        target[m + "self_attention.linear_proj.bias"] = full[s + "self_attention.linear_proj.bias"]
+        target[m + "mlp.linear_fc1.weight"] = rows(full[s + "mlp.linear_fc1.weight"])
+        target[m + "mlp.linear_fc1.bias"] = rows(full[s + "mlp.linear_fc1.bias"])
+        target[m + "mlp.linear_fc2.weight"] = cols(full[s + "mlp.linear_fc2.weight"])
+        target[m + "mlp.linear_fc2.bias"] = full[s + "mlp.linear_fc2.bias"]
+    params = dict(megatron_model.named_parameters())
+    missing = sorted(set(params) ^ set(target))
+    if missing:
+        raise RuntimeError(f"weight mapping does not cover Megatron's parameters: {missing[:4]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(target[name])
+
+
+def megatron_loss_fn(seq: int):
+    positions = torch.arange(seq).unsqueeze(0)
+    causal = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)  # explicit: with none it builds one on CUDA
+
+    def loss(model, batch):
+        tokens, labels = batch
+        return model(tokens, positions.expand(tokens.shape[0], -1), causal, labels=labels).mean()
+
+    return loss
+
+
+# -- one setting on its ranks ----------------------------------------------------------------------
+
+def _rank(rank, world, port, cfg, setting, results):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    try:
+        sys.path.insert(0, MEGATRON)
+        cpu_patches()
+        from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+
+        tp, sp = SETTINGS[setting]
+        pg = runtime.ProcessGroups.initialize(tp=tp)
+        ours = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
+                                       micro_batch_size=cfg.batch)
+        full = {n: full_parameter(p, pg.tp) for n, p in ours.named_parameters()}
+        theirs, mconfig = build_megatron(cfg, tp, sp)
+        copy_weights(theirs, full, cfg.heads, tp, pg.tp.rank)
+        runners = [Runner("specc", ours, compiled_loss, lambda: runtime.finalize_model_grads(ours, pg)),
+                   Runner("megatron", theirs, megatron_loss_fn(cfg.seq),
+                          lambda: _allreduce_non_tensor_model_parallel_grads([theirs], mconfig))]
+        if cfg.torch_compile:
+            compiled = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
+                                               micro_batch_size=cfg.batch)
+            compile_layers(compiled, "inductor")
+            runners.append(Runner("specc+compile", compiled, compiled_loss,
+                                  lambda: runtime.finalize_model_grads(compiled, pg)))
+        batches = make_batches(cfg)
+        rounds = []
+        for _ in range(cfg.rounds):
+            for r in runners:
+                r.times.clear()
+            rounds.append(measure(runners, batches, cfg.steps))
+        results.put((rank, {"rounds": rounds, "peak_gflops": gemm_peak_gflops()}))
+        pg.destroy()
+    except BaseException:
+        import traceback
+
+        results.put((rank, {"error": traceback.format_exc()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_setting(cfg, setting: str) -> dict:
+    tp, _ = SETTINGS[setting]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, tp, port, cfg, setting, results)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    got = {}
+    while len(got) < tp:
+        try:
+            rank, out = results.get(timeout=1.0)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{setting}: a rank died (its output is above)") from None
+            continue
+        if "error" in out:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"{setting}: rank {rank} failed:\n{out['error']}")
+        got[rank] = out
+    for p in procs:
+        p.join()
+    # a step ends when every rank's does: the slower rank's median per round
+    rounds = [{n: max(got[r]["rounds"][k][n][0] for r in got) for n in got[0]["rounds"][k]}
+              for k in range(cfg.rounds)]
+    first = {n: got[0]["rounds"][0][n][2] for n in got[0]["rounds"][0]}
+    return {"rounds": rounds, "first_loss": first, "peak_gflops": min(got[r]["peak_gflops"] for r in got)}
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+def table(cfg, results: dict, flops: float) -> str:
+    names = ["megatron"] + (["specc+compile"] if cfg.torch_compile else [])
+    head = ("| setting | specc step (ms) | Megatron Core step (ms) | specc / Megatron | target | specc MFU | "
+            "Megatron MFU | first-loss diff |")
+    cols = head.count("|") - 1
+    if cfg.torch_compile:
+        head += " specc+compile (ms) | compile / eager | compile / Megatron |"
+        cols += 3
+    lines = [head, "|" + "---|" * cols]
+    for setting, res in results.items():
+        med = {n: statistics.median(r[n] for r in res["rounds"]) for n in ["specc"] + names}
+        ratio = statistics.median(r["specc"] / r["megatron"] for r in res["rounds"])
+        tp = SETTINGS[setting][0]
+        target = "< 1" if tp == 1 else "<= 0.85"
+        met = ratio < 1 if tp == 1 else ratio <= 0.85
+        util = {n: mfu(flops, med[n], res["peak_gflops"], tp) for n in med}  # every rank has its own core
+        diff = abs(res["first_loss"]["specc"] - res["first_loss"]["megatron"])
+        line = (f"| {LABELS[setting]} | {med['specc'] * 1e3:.1f} | {med['megatron'] * 1e3:.1f} | **{ratio:.3f}** | "
+                f"{target} {'met' if met else 'missed'} | {util['specc']:.1%} | {util['megatron']:.1%} | {diff:.1e} |")
+        if cfg.torch_compile:
+            c = med["specc+compile"]
+            line += f" {c * 1e3:.1f} | {c / med['specc']:.3f} | {c / med['megatron']:.3f} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+DOC = """## Training step: specc vs Megatron Core
+
+Measured by `python bench/megatron_step.py` (after `bash bench/setup_megatron.sh`; written by it)
+on {date}: {machine}; one thread per rank; the run took {elapsed:.0f} s.
+Model: {shape}. FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak measured per rank: {peak:.1f} GFLOP/s.
+
+{table}
+
+- **specc / Megatron** = the median over {rounds} rounds of the per-round ratio of median step
+  times (zero_grad, forward, backward, gradient finalization, AdamW); within a round the
+  implementations alternate step by step, so load from other processes hits both alike.
+- **Megatron Core**: 0.19.2, `GPTModel` with `get_gpt_layer_local_spec()` (no TE, no Apex) on gloo;
+  with SP its torch LayerNorm is replaced through the spec by the same norm with parameters tagged
+  `sequence_parallel`, whose gradients Megatron's own `_allreduce_non_tensor_model_parallel_grads`
+  all-reduces; an explicit causal mask; its CUDA RNG-tracker calls routed to the CPU generator.
+- **MFU** = FLOPs per step / step time / (GEMM peak x ranks).
+- **first-loss diff**: both start from the same weights (cut to Megatron's shards, QKV per head), so
+  the first losses agree: it is the same function.
+"""
+
+
+def write_doc(path: str, section: str) -> None:
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmarks\n"
+    title = section.splitlines()[0]
+    start = text.find("\n" + title + "\n")
+    if start >= 0:
+        end = text.find("\n## ", start + 1)
+        text = text[:start + 1] + section + (text[end:] if end >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per implementation per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--settings", default="tp1,tp2,tp2sp")
+    p.add_argument("--torch-compile", action="store_true", help="also time specc with each layer compiled")
+    p.add_argument("--output", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    p.add_argument("--no-write", action="store_true")
+    cfg = p.parse_args(argv)
+    settings = cfg.settings.split(",")
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        p.error(f"--settings: unknown {', '.join(unknown)} (known: {', '.join(SETTINGS)})")
+    if not os.path.isdir(os.path.join(MEGATRON, "megatron", "core")):
+        print("error: Megatron Core is not installed for the benchmark: run `bash bench/setup_megatron.sh`",
+              file=sys.stderr)
+        return 2
+    shape = (f"gpt.yaml at hidden {cfg.hidden}, {cfg.layers} layers, {cfg.heads} heads, seq {cfg.seq}, vocab "
+             f"{cfg.vocab}, micro-batch {cfg.batch}, fp32; {cfg.rounds} rounds of {cfg.steps} timed steps each "
+             f"after 2 warm-up steps")
+    print(f"bench/megatron_step.py: {shape}", flush=True)
+    start = time.perf_counter()
+    torch.set_num_threads(1)
+    flops = plan_flops(cfg)
+    results = {}
+    for setting in settings:
+        results[setting] = run_setting(cfg, setting)
+        print(f"{LABELS[setting]} done", flush=True)
+    elapsed = time.perf_counter() - start
+    text = table(cfg, results, flops)
+    print(text)
+    for setting, res in results.items():
+        a, b = res["first_loss"]["specc"], res["first_loss"]["megatron"]
+        if abs(a - b) > 1e-3 * abs(b):
+            print(f"error: {setting}: first losses differ ({a} vs {b}): not the same model", file=sys.stderr)
+            return 1
+    if not cfg.no_write:
+        peak = min(r["peak_gflops"] for r in results.values())
+        write_doc(cfg.output, DOC.format(date=datetime.date.today().isoformat(), machine=machine_line(),
+                                         elapsed=elapsed, shape=shape, flops=flops, peak=peak, table=text,
+                                         rounds=cfg.rounds))
+        print(f"wrote {cfg.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
