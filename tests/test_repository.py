@@ -41,7 +41,8 @@ def _named_documents():
     files = ["README.md", "compile.py"]
     for top in tops:
         for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, top)):
-            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            # hidden folders are environments (bench/.megatron), not the repository's documents
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
             files += [os.path.relpath(os.path.join(dirpath, f), ROOT) for f in sorted(filenames)
                       if f.endswith((".py", ".md", ".j2"))]
     for rel in files:
