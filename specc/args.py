@@ -17,6 +17,7 @@ MEGATRON_CONFIG_FLAGS = {  # Megatron's model-size flags, applied as config over
 
 
 _GIVEN, _PROG = "_specc_given", "_specc_prog"  # bookkeeping kept on the namespace while parsing
+SPEC_FLAG_OVERRIDES = "spec_flag_overrides"  # (config name, value text, flag) from the spec's megatron.flags
 
 
 class UsageError(SystemExit):
@@ -90,16 +91,10 @@ class ArgumentParser(argparse.ArgumentParser):
         ns, extras = self.parse_known_args(args, namespace)
         prog = ns.__dict__.pop(_PROG, self.prog)
         if extras:
-            from .commands.train_args import megatron_architecture_hint
+            from .commands.megatron_flags import apply_spec_flags
 
-            for i, word in enumerate(extras):
-                flag, eq, value = word.partition("=")
-                if not eq and i + 1 < len(extras) and not extras[i + 1].startswith("-"):
-                    value = extras[i + 1]
-                hint = megatron_architecture_hint(flag, value, prog)
-                if hint:
-                    raise UsageError(prog, f"{flag} is a Megatron architecture flag: here the spec holds the "
-                                     f"architecture", hint)
+            extras = apply_spec_flags(ns, extras, prog)
+        if extras:
             raise UsageError(prog, f"unrecognized arguments: {' '.join(extras)}")
         return ns
 
@@ -151,18 +146,30 @@ def overrides_from(args) -> list:
     import yaml
 
     out, seen = [], {}
-    for item in args.overrides:
-        loc = Loc(f"--set {item}")
-        if "=" not in item:
-            raise SpecError(loc, "expected KEY=VALUE", "e.g. --set hidden_size=2048")
-        key, text = item.split("=", 1)
+    def scalar(text: str, loc: Loc):
         try:
             value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError:
             value = text
         if isinstance(value, (dict, list)) or value is None:
             raise SpecError(loc, f"value '{text}' must be a number, boolean or string")
-        out.append((key.strip(), value, loc))
+        return value
+
+    for item in args.overrides:
+        loc = Loc(f"--set {item}")
+        if "=" not in item:
+            raise SpecError(loc, "expected KEY=VALUE", "e.g. --set hidden_size=2048")
+        key, text = item.split("=", 1)
+        out.append((key.strip(), scalar(text, loc), loc))
+    for key, text, flag in getattr(args, SPEC_FLAG_OVERRIDES, ()):  # the spec's megatron.flags
+        loc = Loc(f"{flag} {text}")
+        value = scalar(text, loc)
+        if isinstance(value, str):  # Megatron's values are Python's: 1e-6 is a number there (YAML 1.1: a string)
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        out.append((key, value, loc))
     for key, flag in MEGATRON_CONFIG_FLAGS.items():
         value = getattr(args, f"cfg_{key}", None)
         if value is not None:

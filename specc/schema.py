@@ -67,6 +67,13 @@ def json_schema() -> dict:
                 "type": "object", "additionalProperties": model_input}}, "required": ["module"], "additionalProperties": False},
             "modules": {"type": "object", "additionalProperties": {"$ref": "#/$defs/module"}},
             "hf": {"type": "object"},
+            "megatron": {"type": "object", "description": "Megatron-LM's flags this spec answers to", "properties": {
+                "flags": {"type": "object", "description": "a flag -> the config value it sets",
+                          "propertyNames": {"pattern": "^--[a-z0-9][a-z0-9-]*$"}, "additionalProperties": _IDENT},
+                "structure": {"type": "object", "description": "an architecture flag whose structure the spec has -> "
+                              "true, or the value that selects it", "propertyNames": {"pattern": "^--[a-z0-9][a-z0-9-]*$"},
+                              "additionalProperties": {"type": ["boolean", "string"]}}},
+                "additionalProperties": False},
         },
         "required": ["name", "model", "modules"],
         "additionalProperties": False,

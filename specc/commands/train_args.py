@@ -1,6 +1,6 @@
 """The flags of `specc train SPEC [flags]` and of one training rank, `torchrun ... -m
-specc_torch.train SPEC [flags]`: Megatron's names with Megatron's meaning, and the hints for
-Megatron's architecture flags (here the spec holds the architecture). Parsing only: the command
+specc_torch.train SPEC [flags]`: Megatron's names with Megatron's meaning (Megatron's model flags
+are the spec's: specc/commands/megatron_flags.py). Parsing only: the command
 that launches is specc/commands/train.py, the rank's entry specc_torch/train.py."""
 
 from __future__ import annotations
@@ -12,70 +12,6 @@ from ..args import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError
 
 LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
                 "rdzv_endpoint", "rdzv_id", "max_restarts")
-
-
-# Megatron's architecture flags: here the architecture is the spec. Each names what the flag
-# selects, a shipped spec (under specs/) that has that structure, and the --set that sets its
-# value there ("{}": the value given, "N" where the flag takes none); a dict picks by value.
-MEGATRON_ARCHITECTURE_FLAGS = {
-    "--swiglu": ("a SwiGLU MLP", "specs/llama.yaml", None),
-    "--squared-relu": None,
-    "--normalization": {"rmsnorm": ("RMSNorm", "specs/llama.yaml", None),
-                        "layernorm": ("LayerNorm", "specs/gpt.yaml", None)},
-    "--num-query-groups": ("grouped-query attention", "specs/llama.yaml", "num_query_groups={}"),
-    "--group-query-attention": ("grouped-query attention", "specs/llama.yaml", "num_query_groups=N"),
-    "--position-embedding-type": {"rope": ("rotary position embeddings", "specs/llama.yaml", "rotary_base=B"),
-                                  "learned_absolute": ("learned absolute position embeddings", "specs/gpt.yaml",
-                                                       "max_position_embeddings=N")},
-    "--use-rotary-position-embeddings": ("rotary position embeddings", "specs/llama.yaml", "rotary_base=B"),
-    "--rotary-base": ("rotary position embeddings", "specs/llama.yaml", "rotary_base={}"),
-    "--max-position-embeddings": ("learned absolute position embeddings", "specs/gpt.yaml",
-                                  "max_position_embeddings={}"),
-    "--untie-embeddings-and-output-weights": ("an output layer with its own weight", "specs/llama.yaml", None),
-    "--disable-bias-linear": ("linear layers without biases", "specs/llama.yaml", None),
-    "--add-qkv-bias": ("a QKV projection with a bias", "specs/gpt.yaml", None),
-    "--kv-channels": ("the attention head size", "SPEC", "head_dim={}"),
-    "--norm-epsilon": ("the RMSNorm epsilon", "specs/llama.yaml", "norm_epsilon={}"),
-    "--layernorm-epsilon": ("the LayerNorm epsilon", "specs/gpt.yaml", "layernorm_epsilon={}"),
-    "--hidden-dropout": ("dropout on the residual stream", "specs/gpt.yaml", "hidden_dropout={}"),
-    "--attention-dropout": ("dropout on the attention probabilities", "specs/gpt.yaml", "attention_dropout={}"),
-    "--init-method-std": ("the initialization's standard deviation", "SPEC", "init_std={}"),
-    "--vocab-size": ("the vocabulary size", "SPEC", "vocab_size={}"),
-    "--padded-vocab-size": ("the vocabulary size", "SPEC", "vocab_size={}"),
-    "--make-vocab-size-divisible-by": ("a padded vocabulary (a multiple of the TP size)", "SPEC", "vocab_size=N"),
-}
-
-
-def megatron_architecture_hint(flag: str, value: str, prog: str) -> str | None:
-    """The hint for a Megatron architecture flag given with `value` ("" when none; None: not one
-    of them)."""
-    if flag not in MEGATRON_ARCHITECTURE_FLAGS:
-        return None
-    entry = MEGATRON_ARCHITECTURE_FLAGS[flag]
-    if isinstance(entry, dict):
-        if value.lower() not in entry:
-            return "hint: " + "; ".join(_where(e, "N", prog) for e in entry.values())
-        entry = entry[value.lower()]
-    if entry is None:
-        shipped = ", ".join(sorted({e[1] for e in _entries() if e[1] != "SPEC"}))
-        return (f"hint: no shipped spec has that structure: write it in a spec (docs/spec-language.md), e.g. "
-                f"starting from {shipped}")
-    return "hint: " + _where(entry, value if value and not value.startswith("-") else "N", prog)
-
-
-def _where(entry, value: str, prog: str) -> str:
-    what, spec, setting = entry
-    command = f"{prog} {spec}" + (f" --set {setting.format(value)}" if setting else "")
-    if spec == "SPEC":
-        return f"{what} is the spec's config value {setting.split('=')[0]}: {command}"
-    return f"{spec} has {what}: {command}"
-
-
-def _entries():
-    for entry in MEGATRON_ARCHITECTURE_FLAGS.values():
-        for e in (entry.values() if isinstance(entry, dict) else [entry]):
-            if e is not None:
-                yield e
 
 
 def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:

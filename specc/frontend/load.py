@@ -15,7 +15,7 @@ from .model import Leaf, ModelInput, ModuleDef, Ref, Settings, Spec
 from .yamlload import LDict, LList, LStr, load_yaml, read_text
 
 TOP_KEYS = {"name": "str", "description": "str", "extends": "str", "config": "mapping", "model": "mapping",
-            "modules": "mapping", "hf": "mapping"}
+            "modules": "mapping", "hf": "mapping", "megatron": "mapping"}
 MODEL_KEYS = {"module", "inputs"}
 MODULE_KEYS = {"description", "inputs", "submodules", "forward"}
 REF_KEYS = {"module", "repeat", "description"}
@@ -44,6 +44,11 @@ def load_spec(path: str, settings: Settings = Settings(), overrides: list = ()) 
 
 
 # -- reading and extending -------------------------------------------------------------------
+
+def read_spec(path: str) -> LDict:
+    """The spec's merged document (after `extends`), unchecked beyond its top-level keys."""
+    return _read_with_extends(path, [])[0]
+
 
 def _read_with_extends(path: str, chain: list):
     norm = os.path.normpath(os.path.abspath(path))
@@ -151,6 +156,12 @@ class _Builder:
         desc = raw.get("description", "")
         if "hf" in raw:
             _check_hf(raw["hf"], raw.value_loc("hf"), self.value)
+        if "megatron" in raw:
+            from ..args import MEGATRON_CONFIG_FLAGS
+            from .megatron import check_megatron
+
+            check_megatron(raw["megatron"], raw.value_loc("megatron"), self.config_raw,
+                           set(MEGATRON_CONFIG_FLAGS.values()))
         return Spec(name, self.path, str(desc) if desc else "", config, modules, root, inputs, self.settings,
                     self.digest, raw.get("hf"))
 

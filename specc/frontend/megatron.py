@@ -1,0 +1,109 @@
+"""A spec's `megatron:` block: the Megatron-LM flags it answers to.
+
+    megatron:
+      flags:                     # --flag VALUE sets a config value (the same as --set key=VALUE)
+        --num-query-groups: num_query_groups
+      structure:                 # Megatron's architecture flags whose structure this spec has
+        --swiglu: true           # a flag without a value
+        --normalization: RMSNorm # a flag with the value that selects this spec's structure
+
+The command line (specc/args.py) applies `flags` as config overrides, accepts a structural flag
+the spec declares (it selects what the spec already is) and refuses any other with a hint that
+names the shipped specs (specs/*.yaml) declaring it, so the compiler holds no table of
+architectures: the specs say what they are.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from ..errors import Loc, SpecError, did_you_mean
+from .yamlload import LDict
+
+MEGATRON_KEYS = ("flags", "structure")
+FLAG = re.compile(r"^--[a-z0-9][a-z0-9-]*$")
+SHIPPED_SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "specs")
+
+
+@dataclass
+class MegatronFlags:
+    flags: dict = field(default_factory=dict)  # flag -> config name
+    structure: dict = field(default_factory=dict)  # flag -> True (no value) or the value it is given
+    config: set = field(default_factory=set)  # the spec's config names (for hints)
+
+    def has_structure(self, flag: str, value: str | None) -> bool:
+        declared = self.structure.get(flag)
+        if declared is None or declared is False:
+            return False
+        if declared is True:
+            return value is None
+        return value is not None and value.lower() == str(declared).lower()
+
+
+def check_megatron(raw, loc: Loc, config: LDict, reserved=()) -> MegatronFlags:
+    """The block, checked: every flag looks like one, maps to a config value the spec has, and is
+    not one the commands define themselves (`reserved`: the flag would never reach the spec)."""
+    if not isinstance(raw, LDict):
+        raise SpecError(loc, "'megatron' must be a mapping", "e.g. megatron: {flags: {--kv-channels: head_dim}}")
+    for key in raw:
+        if key not in MEGATRON_KEYS:
+            raise SpecError(raw.key_loc(key), f"unknown key '{key}' in 'megatron'", did_you_mean(key, MEGATRON_KEYS))
+    out = MegatronFlags()
+    for section in MEGATRON_KEYS:
+        if section not in raw:
+            continue
+        entries = raw[section]
+        if not isinstance(entries, LDict):
+            raise SpecError(raw.value_loc(section), f"'megatron.{section}' must be a mapping of Megatron flags",
+                            "e.g. --swiglu: true" if section == "structure" else "e.g. --kv-channels: head_dim")
+        for flag, value in entries.items():
+            key_loc, value_loc = entries.key_loc(flag), entries.value_loc(flag)
+            if not isinstance(flag, str) or not FLAG.match(flag):
+                raise SpecError(key_loc, f"'{flag}' is not a Megatron flag name", "e.g. --kv-channels")
+            if flag in reserved:
+                raise SpecError(key_loc, f"{flag} is a flag of the commands themselves; a spec cannot map it")
+            if section == "flags":
+                if not isinstance(value, str) or value not in config:
+                    raise SpecError(value_loc, f"{flag} must name a config value of the spec, got {value!r}",
+                                    did_you_mean(value, config.keys()))
+                out.flags[flag] = str(value)
+            else:
+                if flag in out.flags:
+                    raise SpecError(key_loc, f"{flag} is both in megatron.flags and megatron.structure")
+                if not (isinstance(value, bool) or (isinstance(value, str) and value.strip())):
+                    raise SpecError(value_loc, f"{flag} must be true (a flag without a value), false (not this "
+                                    f"structure) or the value that selects this spec's structure, got {value!r}")
+                out.structure[flag] = value if isinstance(value, bool) else str(value)
+    return out
+
+
+def read_megatron(path: str) -> MegatronFlags:
+    """The `megatron:` block of the spec at `path`, after `extends`. Raises SpecError."""
+    from ..args import MEGATRON_CONFIG_FLAGS
+    from .load import read_spec
+
+    raw = read_spec(path)
+    config = raw.get("config", LDict())
+    config = config if isinstance(config, LDict) else LDict()
+    out = MegatronFlags()
+    if "megatron" in raw:
+        out = check_megatron(raw["megatron"], raw.value_loc("megatron"), config, set(MEGATRON_CONFIG_FLAGS.values()))
+    out.config = set(config)
+    return out
+
+
+def shipped() -> list:
+    """(display path, MegatronFlags) of each shipped spec that reads cleanly, in name order."""
+    out = []
+    if not os.path.isdir(SHIPPED_SPECS):
+        return out
+    for name in sorted(os.listdir(SHIPPED_SPECS)):
+        if not name.endswith((".yaml", ".yml")):
+            continue
+        try:
+            out.append((f"specs/{name}", read_megatron(os.path.join(SHIPPED_SPECS, name))))
+        except SpecError:
+            continue
+    return out

@@ -1,0 +1,112 @@
+"""A spec's `megatron:` block: Megatron's value flags set the config values the spec maps them to,
+the structural flags a spec declares are accepted, any other is one line naming the shipped specs
+that declare it (read from the specs, not a table), and a broken block is a located error."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from specc.args import overrides_from
+from specc.cli import build_parser, main
+from specc.frontend.model import Settings
+from specc.pipeline import load_and_compile
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
+LLAMA_TINY = os.path.join(ROOT, "specs", "llama-tiny.yaml")
+
+
+def _config(argv):
+    args = build_parser().parse_args(["plan", *argv])
+    located = overrides_from(args)
+    spec, _ = load_and_compile(args.spec, Settings(), located)
+    return spec.config, {key: str(loc) for key, _, loc in located}
+
+
+def test_value_flags_set_the_config_values_the_spec_maps():
+    config, where = _config([GPT_TINY, "--kv-channels", "16", "--max-position-embeddings", "64",
+                             "--init-method-std", "0.01", "--hidden-dropout", "0.1", "--attention-dropout=0.2",
+                             "--norm-epsilon", "1e-6"])
+    assert (config["head_dim"], config["max_position_embeddings"], config["init_std"]) == (16, 64, 0.01)
+    assert (config["hidden_dropout"], config["attention_dropout"], config["layernorm_epsilon"]) == (0.1, 0.2, 1e-6)
+    assert config["output_init_std"] == pytest.approx(0.01 / (2 * 2) ** 0.5)  # derived from the flag's value
+    assert where["init_std"] == "--init-method-std 0.01"  # errors about a value point at the flag
+    config, _ = _config([LLAMA_TINY, "--num-query-groups", "2", "--rotary-base", "500000", "--norm-epsilon",
+                         "1e-6", "--kv-channels", "8"])
+    assert (config["num_query_groups"], config["kv_size"], config["rotary_base"]) == (2, 16, 500000)
+    assert config["norm_epsilon"] == 1e-6
+
+
+def test_structural_flags_the_spec_declares_are_accepted():
+    llama = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type=rope",
+             "--use-rotary-position-embeddings", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+             "--group-query-attention"]
+    config, where = _config([LLAMA_TINY, *llama, "--num-query-groups", "4"])
+    assert where == {"num_query_groups": "--num-query-groups 4"}
+    _config([GPT_TINY, "--normalization", "layernorm", "--position-embedding-type", "learned_absolute"])
+
+
+def _one_line(capsys, argv) -> str:
+    assert main([str(a) for a in argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    return captured.err.rstrip("\n")
+
+
+def test_flags_the_spec_does_not_declare(capsys):
+    err = _one_line(capsys, ["plan", LLAMA_TINY, "--hidden-dropout", "0.1"])
+    assert err.startswith(f"error: --hidden-dropout 0.1: {LLAMA_TINY} maps no config value to --hidden-dropout")
+    assert err.endswith("map it to hidden_dropout: specc plan specs/gpt-tiny.yaml --hidden-dropout 0.1)")
+    err = _one_line(capsys, ["plan", LLAMA_TINY, "--normalization", "LayerNorm"])
+    assert "specs/gpt.yaml" in err.split("(hint: ")[1] and "llama" not in err.split("(hint: ")[1]
+    err = _one_line(capsys, ["plan", GPT_TINY, "--position-embedding-type", "alibi"])
+    assert err.endswith("(hint: no shipped spec has --position-embedding-type alibi; they have "
+                        "--position-embedding-type learned_absolute, rope)")
+    err = _one_line(capsys, ["plan", GPT_TINY, "--init-method-std"])
+    assert err == "error: argument --init-method-std: expected one argument (hint: see specc plan --help)"
+    assert _one_line(capsys, ["plan", GPT_TINY, "--no-such-flag"]).startswith("error: unrecognized arguments: ")
+
+
+def test_the_hint_comes_from_the_shipped_specs(capsys, tmp_path, monkeypatch):
+    from specc.frontend import megatron
+
+    (tmp_path / "base.yaml").write_text(open(GPT_TINY.replace("gpt-tiny", "gpt")).read())
+    (tmp_path / "relu2.yaml").write_text("name: relu2\nextends: base.yaml\nmegatron:\n  structure:\n"
+                                         "    --squared-relu: true\n  flags:\n    --ffn-dim: ffn_hidden_size\n")
+    err = _one_line(capsys, ["plan", GPT_TINY, "--squared-relu"])
+    assert err.endswith("(hint: no shipped spec has that structure: write it in a spec (docs/spec-language.md))")
+    monkeypatch.setattr(megatron, "SHIPPED_SPECS", str(tmp_path))
+    err = _one_line(capsys, ["plan", GPT_TINY, "--squared-relu"])
+    assert err.endswith("(hint: specs/relu2.yaml has it: specc plan specs/relu2.yaml)")
+    for i in range(5):
+        (tmp_path / f"relu2-{i}.yaml").write_text(f"name: r{i}\nextends: relu2.yaml\n")
+    err = _one_line(capsys, ["plan", GPT_TINY, "--squared-relu"])
+    assert err.endswith("(hint: specs/relu2-0.yaml, specs/relu2-1.yaml, specs/relu2-2.yaml, specs/relu2-3.yaml and "
+                        "2 more have it: specc plan specs/relu2-0.yaml)")
+    # a value flag another spec maps to a config value this spec has too: --set it, or map it here
+    err = _one_line(capsys, ["plan", GPT_TINY, "--ffn-dim", "96"])
+    assert err.endswith("(hint: --set ffn_hidden_size=96, or add '--ffn-dim: ffn_hidden_size' under megatron: "
+                        "flags: in the spec)")
+
+
+@pytest.mark.parametrize("block,error", [
+    ("megatron: [1]", "3:11: error: 'megatron' must be a mapping (e.g. megatron: {flags: {--kv-channels: "
+     "head_dim}})"),
+    ("megatron: {flag: {}}", "3:12: error: unknown key 'flag' in 'megatron' (did you mean 'flags'?)"),
+    ("megatron: {flags: {--kv-channels: head_dims}}", "3:35: error: --kv-channels must name a config value of the "
+     "spec, got 'head_dims' (did you mean 'head_dim'?)"),
+    ("megatron: {flags: {kv-channels: head_dim}}", "3:20: error: 'kv-channels' is not a Megatron flag name (e.g. --kv-channels)"),
+    ("megatron: {flags: {--num-layers: num_layers}}", "3:20: error: --num-layers is a flag of the commands "
+     "themselves; a spec cannot map it"),
+    ("megatron: {structure: {--swiglu: 3}}", "3:34: error: --swiglu must be true (a flag without a value), false "
+     "(not this structure) or the value that selects this spec's structure, got 3"),
+])
+def test_a_broken_block_is_a_located_error(capsys, tmp_path, block, error):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"extends: {os.path.join(ROOT, 'specs', 'gpt-tiny.yaml')}\nname: s\n{block}\n")
+    assert main(["validate", str(spec)]) == 2
+    assert capsys.readouterr().err == f"{spec}:{error}\n"
+    assert main(["plan", str(spec), "--swiglu"]) == 2  # reading the flags reports it too, in one line
+    assert capsys.readouterr().err.startswith(f"error: {spec}:{error}")
