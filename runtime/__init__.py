@@ -8,7 +8,7 @@ from .api import build_model
 from .comm import CommCounter, CommRecord, all_gather_into_tensor, all_reduce, reduce_scatter_tensor
 from .cross_entropy import vocab_parallel_cross_entropy
 from .grads import finalize_model_grads, is_tp_partial_grad, mark_partial_grad, mark_tp_partial_grad, partial_grad_axes
-from .init import ParamInit, full_parameter, gather_full, init_parameters, tag_parameter
+from .init import ParamInit, full_parameter, gather_full, init_parameters, tag_parameter, tie_across_stages
 from .layers import (
     ColumnParallelLinear,
     CoreAttention,
@@ -69,6 +69,7 @@ __all__ = [
     "ParamInit",
     "tag_parameter",
     "init_parameters",
+    "tie_across_stages",
     "full_parameter",
     "gather_full",
     "RNGTracker",

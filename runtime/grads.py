@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
+from .init import tied_name
 from .parallel_state import Group, ProcessGroups
 
 _TP_PARTIAL_ATTR = "_specc_tp_partial_grad"
@@ -46,7 +47,11 @@ def finalize_model_grads(model: torch.nn.Module, pg: ProcessGroups, ddp=None) ->
     gradients live in its fp32 `main_grad` buffer: first wait for its data-parallel reductions
     (started in buckets during backward; they write the same memory the TP sums below read),
     then sum the TP-partial gradients. The two sums commute, so the order is free. A tied
-    embedding/output weight is one Parameter with one gradient: nothing to sync."""
+    embedding/output weight is one Parameter with one gradient, except across pipeline stages:
+    there the first and the last stage each hold one, and their gradients are summed over the
+    embedding group (Megatron's _allreduce_word_embedding_grads) BEFORE the data-parallel reduction,
+    whose reduce-scatter leaves each stage only its own shard (the two sums commute)."""
+    _allreduce_tied_grads(model, pg)
     if ddp is not None:
         ddp.finish_grad_sync()
     for axis in _AXES:
@@ -77,6 +82,22 @@ def _allreduce_partial_grads(model: torch.nn.Module, group: Group, axis: str) ->
                 p.grad = reduced.clone()
             else:
                 p.grad.copy_(reduced)
+
+
+def _allreduce_tied_grads(model: torch.nn.Module, pg: ProcessGroups) -> None:
+    """Sum the gradients of weights tied across pipeline stages over the embedding group, by name
+    (both ends list the same names in the same order)."""
+    group = getattr(pg, "embd", None)
+    if group is None or group.size == 1:
+        return
+    tied = sorted(((tied_name(p), p) for p in model.parameters() if tied_name(p) is not None), key=lambda t: t[0])
+    for _, p in tied:
+        grad = _grad_of(p)
+        if hasattr(p, "main_grad") or p.grad is not None:
+            comm.all_reduce(grad, group)
+        else:
+            p.grad = grad
+            comm.all_reduce(p.grad, group)
 
 
 def _grad_of(p: torch.nn.Parameter) -> torch.Tensor:

@@ -110,6 +110,40 @@ def local_slice(full: torch.Tensor, meta: ParamInit) -> torch.Tensor:
     return torch.cat(pieces, dim=meta.shard_dim)
 
 
+TIED_NAME = "_specc_tied_name"  # a weight tied across pipeline stages: the name both ends share
+TIED_COPY = "_specc_tied_copy"  # ... on the stage that holds the copy (the output layer's end)
+
+
+def tie_across_stages(p: torch.nn.Parameter, name: str, *, copy: bool = False,
+                      init_std: float | None = None) -> torch.nn.Parameter:
+    """A weight shared by the first and the last pipeline stage (the word embedding and the output
+    layer), held as one Parameter on each: both are drawn, saved and loaded under `name` (the
+    owner's), their gradients are summed over the embedding group (finalize_model_grads), and the
+    copy is counted once in the gradient norm. `init_std`: the owner's, so the copy starts equal."""
+    setattr(p, TIED_NAME, name)
+    if copy:
+        setattr(p, TIED_COPY, True)
+        meta = getattr(p, "_specc_init", None)
+        if meta is not None and init_std is not None:
+            p._specc_init = ParamInit(meta.kind, float(init_std), meta.full_shape, meta.shard_dim, meta.segments,
+                                      meta.tp_rank, meta.tp_size)
+    return p
+
+
+def tied_name(p: torch.nn.Parameter) -> str | None:
+    return getattr(p, TIED_NAME, None)
+
+
+def is_tied_copy(p: torch.nn.Parameter) -> bool:
+    return getattr(p, TIED_COPY, False)
+
+
+def init_name(name: str, p: torch.nn.Parameter) -> str:
+    """The name a parameter is drawn, saved and loaded under: its own, or for a weight tied across
+    pipeline stages the owner's (so PP > 1 starts from, and checkpoints, the PP = 1 model)."""
+    return getattr(p, TIED_NAME, name)
+
+
 def init_parameters(model: torch.nn.Module, seed: int) -> None:
     """Fill every parameter of `model` with this rank's slice of its full init tensor.
 
@@ -124,7 +158,7 @@ def init_parameters(model: torch.nn.Module, seed: int) -> None:
                     f"parameter {name!r} has no init metadata (_specc_init); create it with a "
                     f"runtime layer or tag it with runtime.init.tag_parameter"
                 )
-            p.copy_(local_slice(full_init_tensor(meta, seed, name), meta))
+            p.copy_(local_slice(full_init_tensor(meta, seed, init_name(name, p)), meta))
 
 
 def randomized_full_tensor(meta: ParamInit, seed: int, name: str) -> torch.Tensor:
@@ -146,7 +180,7 @@ def randomize_parameters(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             meta = _meta(p)
-            p.copy_(local_slice(randomized_full_tensor(meta, seed, name), meta).to(p.dtype))
+            p.copy_(local_slice(randomized_full_tensor(meta, seed, init_name(name, p)), meta).to(p.dtype))
 
 
 def gather_full(tensor: torch.Tensor, p: torch.nn.Parameter, tp: Group) -> torch.Tensor:

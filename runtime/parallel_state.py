@@ -47,6 +47,9 @@ class ProcessGroups:
     pp: Group
     world_size: int
     rank: int
+    # Megatron's embedding group: the first and the last pipeline stage of one (tp, cp, dp) position,
+    # which sum the gradients of the weight they share (a tied word embedding / output layer)
+    embd: Group = field(default_factory=lambda: Group.single("embd"))
     # Groups this object created with dist.new_group, destroyed by destroy().
     _created: list = field(default_factory=list, repr=False, compare=False)
 
@@ -88,6 +91,13 @@ class ProcessGroups:
                     groups[axis] = Group(
                         size=sizes[axis], rank=coords[axis], group=handle, ranks=ranks, name=axis
                     )
+        if sizes["pp"] > 1:
+            for ranks in _axis_rank_lists("pp", sizes):
+                ends = (ranks[0], ranks[-1])
+                handle = dist.new_group(list(ends))
+                created.append(handle)
+                if rank in ends:
+                    groups["embd"] = Group(size=2, rank=ends.index(rank), group=handle, ranks=ends, name="embd")
         return cls(**groups, world_size=world, rank=rank, _created=created)
 
     def destroy(self) -> None:

@@ -110,6 +110,7 @@ def spec_flags(p: argparse.ArgumentParser, sp_default=False) -> None:
                    help="context-parallel size: the sequence sharded over N ranks in load-balanced chunks (default 1)")
     g.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("auto", "p2p", "all_gather"), default="auto",
                    help="attention over the context-parallel group: p2p (ring), all_gather, or auto (the cost model)")
+    pipeline_flags(g)
     g.add_argument("--backend", choices=("auto", "native", "te"), default="auto",
                    help="implementation for ops that say impl: auto (default auto: TransformerEngine where installed)")
     g.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="micro-batch size for sizes in the plan")
@@ -120,6 +121,22 @@ def spec_flags(p: argparse.ArgumentParser, sp_default=False) -> None:
                    help="override a config value (or a dotted path in the spec); repeatable")
     for key, flag in MEGATRON_CONFIG_FLAGS.items():
         g.add_argument(flag, dest=f"cfg_{key}", type=int, default=None, metavar="N", help=argparse.SUPPRESS)
+
+
+def pipeline_flags(g) -> None:
+    """Pipeline parallelism (Megatron's names): the stage count, interleaving, and where layers go."""
+    g.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1, metavar="N",
+                   help="pipeline-parallel size: the repeated layers cut into N stages (default 1)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", dest="pp_virtual_stage_layers", type=int,
+                   default=None, metavar="N", help="interleaved pipeline: N layers per model chunk, "
+                   "num_layers / (PP * N) chunks per rank")
+    g.add_argument("--decoder-first-pipeline-num-layers", dest="pp_first_stage_layers", type=int, default=None,
+                   metavar="N", help="layers on the first pipeline stage (the rest split evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", dest="pp_last_stage_layers", type=int, default=None,
+                   metavar="N", help="layers on the last pipeline stage (the rest split evenly)")
+    g.add_argument("--pipeline-model-parallel-layout", dest="pp_layout", default=None, metavar="LAYOUT",
+                   help="layers per stage by hand: stages split by |, E the embedding side, t a layer (t*3: "
+                   "three), L the output and loss; e.g. 'Et*3|t*4|t*4|t*3L'")
 
 
 def settings_from(args):
@@ -137,9 +154,15 @@ def settings_from(args):
     if args.cp_comm_type != "auto" and args.cp == 1:
         raise SpecError(Loc("--cp-comm-type"), "has no effect without context parallelism",
                         "add --context-parallel-size N, or drop --cp-comm-type")
+    from .passes.pipeline import check_pipeline_flags
+
+    check_pipeline_flags(args.pp, args.pp_virtual_stage_layers, args.pp_first_stage_layers,
+                         args.pp_last_stage_layers, args.pp_layout)
     return Settings(tp=args.tp, sp=args.sp and args.tp > 1, backend=args.backend,
                     micro_batch_size=args.micro_batch_size, dtype=args.dtype, fuse=args.fuse, cp=args.cp,
-                    cp_comm_type=args.cp_comm_type)
+                    cp_comm_type=args.cp_comm_type, pp=args.pp, pp_virtual_stage_layers=args.pp_virtual_stage_layers,
+                    pp_first_stage_layers=args.pp_first_stage_layers, pp_last_stage_layers=args.pp_last_stage_layers,
+                    pp_layout=args.pp_layout)
 
 
 def overrides_from(args) -> list:

@@ -7,6 +7,7 @@ from .frontend.model import Settings
 from .ir import build_graph
 from .passes.optimize import cancel_inverses, fuse_boundaries
 from .passes.parallelize import parallelize
+from .passes.pipeline import cut_pipeline
 from .passes.resolve import available, resolve
 
 
@@ -23,6 +24,7 @@ def compile_graph(spec, have=available, lint: bool = False):
         run(graph)
         if lint:
             graph.lint()
+    cut_pipeline(graph, spec.settings)  # reads the typed graph (p2p layouts), changes nothing in it
     return graph
 
 

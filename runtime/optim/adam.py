@@ -28,6 +28,7 @@ import torch
 
 from .. import comm
 from ..ddp import DistributedDataParallel
+from ..init import is_tied_copy
 from ..parallel_state import ProcessGroups
 
 
@@ -75,7 +76,9 @@ class Adam:
                 continue
             meta = getattr(p, "_specc_init", None)
             sharded = meta is not None and meta.shard_dim is not None and meta.tp_size > 1
-            out.append(_Segment(offset=a - lo, length=b - a, decay=p.dim() > 1, in_norm=sharded or tp_rank0))
+            # a weight tied across pipeline stages counts once: on the first stage, not its copy
+            counted = (sharded or tp_rank0) and not is_tied_copy(p)
+            out.append(_Segment(offset=a - lo, length=b - a, decay=p.dim() > 1, in_norm=counted))
         return out
 
     # -- memory ----------------------------------------------------------------------------------------
@@ -105,6 +108,7 @@ class Adam:
         comm.all_reduce(total, self.pg.tp)
         if self.distributed:
             comm.all_reduce(total, self.pg.dp)
+        comm.all_reduce(total, self.pg.pp)  # every stage's parameters
         return math.sqrt(total.item())
 
     @torch.no_grad()

@@ -4,6 +4,7 @@ every boundary is a visible call with a comment naming its collective."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import re
@@ -45,7 +46,27 @@ def emit_model(graph, command: str, recipe: dict | None = None) -> str:
         spec_file=os.path.basename(spec.path), spec_hash=spec.source_hash, command=command,
         settings_line=settings.describe(), classes=classes, root_class=root_class,
         settings_dict=ascii(recipe if recipe is not None else make_recipe(spec.path, settings)),
+        pipeline=_pipeline_lines(graph) if graph.pipeline is not None else None,
     )
+
+
+def _pipeline_lines(graph) -> list:
+    """PIPELINE_STAGES: per stage the layers it owns and the tensors it receives and sends."""
+    pipe, s = graph.pipeline, graph.spec.settings
+    chunks = f"{pipe.virtual} model chunks per rank (interleaved)" if pipe.virtual > 1 else "one model chunk per rank"
+    lines = [f"# Pipeline: PP={pipe.size}, {chunks}, {pipe.num_layers} layers of {pipe.block} placed {pipe.placement}.",
+             "# Stage s runs on pipeline rank s % PP; it receives its input from stage s-1 and sends its output",
+             "# to stage s+1 (gradients travel back): (name, local shape, layout, bytes) per micro-batch of",
+             f"# {s.micro_batch_size} on one rank. pre_process: the ops before the block; post_process: those after.",
+             "PIPELINE_STAGES = ["]
+    for st in pipe.stages:
+        def p2p(items):
+            return "[" + ", ".join(f"({x.name!r}, {list(x.shape)}, {x.layout!r}, {x.bytes})" for x in items) + "]"
+        lines.append(f'    {{"stage": {st.index}, "rank": {st.rank}, "chunk": {st.chunk}, "layers": {list(st.layers)}, '
+                     f'"pre_process": {st.pre_process}, "post_process": {st.post_process},')
+        lines.append(f'     "recv": {p2p(st.recv)}, "send": {p2p(st.send)}}},')
+    lines.append("]")
+    return lines
 
 
 class _Class:
@@ -119,7 +140,10 @@ class _Emitter:
         last_use = self._last_uses(items, outs)
         init, body, built = [], [], {}
         partial = []
+        starts, init_starts, partial_at = [], [], {}  # where each item's lines begin (pipeline stages)
         for index, (what, x) in enumerate(items):
+            starts.append(len(body))
+            init_starts.append(len(init))
             if what == "call":
                 body += self._call_lines(x, names, index, last_use, init)
                 continue
@@ -148,6 +172,9 @@ class _Emitter:
                 else:
                     named = ", ".join(f'"{a}"' for a in axes)
                     partial.append(f"runtime.mark_partial_grad(self.{owner}.{w}, {named})  {where}")
+                partial_at.setdefault(partial[-1], index)
+        if scope == "" and self.g.pipeline is not None:
+            return self._pipeline_root(mdef, items, names, init, body, starts, init_starts, partial_at, outs)
         body.append("return " + ", ".join(names.get(v) for v in outs))
         text = "\n".join(init + body)
         for axis in reversed(self.mesh.axes):  # self.tp first
@@ -171,6 +198,8 @@ class _Emitter:
         attr = child.rsplit(".", 1)[-1]
         args, outs = g.calls[child]
         arg_names = [names.get(v) for v in args]
+        if child in g.repeats and g.pipeline is not None and child == g.pipeline.block:
+            return self._stage_layers(child, attr, names, arg_names, outs, index, last_use, init)
         if child in g.repeats:
             count = g.repeats[child]
             classes = [self.class_for(f"{child}.{i}") for i in range(count)]
@@ -207,7 +236,66 @@ class _Emitter:
         return EmitCtx(tp=self.tp, cp=self.cp, tied_expr=tied)
 
     def _constructor(self, op) -> str | None:
+        if self.g.pipeline is not None and any(op.id == copy for _, copy in self.g.pipeline.ties):
+            op = dataclasses.replace(op, tied_to=None)  # the last stage's own copy of a tied weight
         return OPS[op.kind].constructor(op, self._ctx(op))
+
+    # -- pipeline parallelism: the root module built per stage ---------------------------------------
+    def _stage_layers(self, child, attr, names, arg_names, outs, index, last_use, init) -> list:
+        """The repeated block at PP > 1: only this rank's layers, keyed by their global index (so
+        parameter names, and checkpoints, are the same at every pipeline size); a stage runs its own."""
+        g = self.g
+        classes = [self.class_for(f"{child}.{i}") for i in range(g.repeats[child])]
+        build = classes[0] if len(set(classes)) == 1 else "(" + ", ".join(classes) + ",)[i]"
+        init.append(f"self.{attr} = nn.ModuleDict({{str(i): {build}(pg, rng_tracker) "
+                    f"for s in self.stages for i in s[\"layers\"]}})")
+        out = names.bind(outs[0], g.call_names[child][0], index, last_use)
+        lines = [] if out == arg_names[0] else [f"{out} = {arg_names[0]}"]
+        return lines + ['for i in PIPELINE_STAGES[stage]["layers"]:', f"    {out} = self.{attr}[str(i)]({out})"]
+
+    def _pipeline_root(self, mdef, items, names, init, body, starts, init_starts, partial_at, outs):
+        """The root class at PP > 1 (Megatron's pre_process/post_process): a rank builds the parts
+        of its stages only, and forward(stage=s) runs stage s: the embedding side on the first,
+        the layers it owns, the output side on the last."""
+        g, pipe = self.g, self.g.pipeline
+        block_item = next(i for i, (what, x) in enumerate(items) if what == "call" and x == pipe.block)
+        carry = names.get(g.calls[pipe.block][0][0])
+        if carry in mdef.inputs:
+            raise SpecError(mdef.loc, f"the repeated block {pipe.block} reads the model input {carry} itself: "
+                            f"a pipeline stage receives the block's running value, which must be computed "
+                            f"from the inputs first", "drop --pipeline-model-parallel-size")
+        starts = starts + [len(body)]
+        init_starts = init_starts + [len(init)]
+        pre_init, block_init, post_init = (init[:init_starts[block_item]],
+                                           init[init_starts[block_item]:init_starts[block_item + 1]],
+                                           init[init_starts[block_item + 1]:])
+        pre_body, block_body, post_body = (body[:starts[block_item]], body[starts[block_item]:starts[block_item + 1]],
+                                           body[starts[block_item + 1]:])
+        pre_partial = sorted({ln for ln, i in partial_at.items() if i < block_item}, key=list(partial_at).index)
+        post_partial = sorted({ln for ln, i in partial_at.items() if i > block_item}, key=list(partial_at).index)
+        pre_init, post_init = _order_ties(pre_init) + pre_partial, _order_ties(post_init) + post_partial
+        for owner, copy in pipe.ties:
+            op = g.ops[copy]
+            std = g.ops[op.tied_to].attrs.get("init_std")
+            std_arg = f", init_std={std!r}" if std is not None else ""
+            pre_init.append(f"runtime.tie_across_stages(self.{g.ops[op.tied_to].attr_name}.weight, "
+                            f"{string_literal(owner)})  # its gradient is summed with the last stage's copy")
+            post_init.append(f"runtime.tie_across_stages(self.{op.attr_name}.weight, {string_literal(owner)}, "
+                             f"copy=True{std_arg})  # a copy of the first stage's weight, kept equal")
+        head = ['self.stages = [s for s in PIPELINE_STAGES if s["rank"] == pg.pp.rank]',
+                'self.pre_process = any(s["pre_process"] for s in self.stages)',
+                'self.post_process = any(s["post_process"] for s in self.stages)']
+        init = head + (["if self.pre_process:"] + [f"    {ln}" for ln in pre_init] if pre_init else []) + block_init + \
+            (["if self.post_process:"] + [f"    {ln}" for ln in post_init] if post_init else [])
+        text = "\n".join(init + body)
+        for axis in reversed(self.mesh.axes):
+            if re.search(rf"\bself\.{axis}\b", text):
+                init.insert(0, f"self.{axis} = pg.{axis}")
+        body = (['if PIPELINE_STAGES[stage]["pre_process"]:'] + [f"    {ln}" for ln in pre_body] if pre_body else []) \
+            + block_body + ['if not PIPELINE_STAGES[stage]["post_process"]:', f"    return {carry_out(block_body, carry)}"] \
+            + post_body + ["return " + ", ".join(names.get(v) for v in outs)]
+        params = [f"{carry}=None", "*", "stage"] + [f"{n}=None" for n in mdef.inputs]
+        return init, body, params
 
 
 class _Names:
@@ -235,6 +323,12 @@ class _Names:
                     self.holder[name] = vid
                     return name
         raise AssertionError("ran out of names")
+
+
+def carry_out(block_body: list, carry: str) -> str:
+    """The name the block's loop leaves its result in (`h = layer(h)`)."""
+    last = block_body[-1].strip()
+    return last.split(" = ", 1)[0] if " = " in last else carry
 
 
 def _order_ties(init: list) -> list:

@@ -19,16 +19,36 @@ class Settings:
     fuse: bool = True  # let implementations absorb adjacent boundaries
     cp: int = 1  # context-parallel size: the sequence sharded over cp ranks outside attention
     cp_comm_type: str = "auto"  # attention over CP: p2p (ring) | all_gather | auto (the cost model)
+    # pipeline parallelism (specc/passes/pipeline.py): the root's repeated block cut into pp stages
+    # per rank chunk; by the cost model unless Megatron's placement flags or a layout string say
+    pp: int = 1
+    pp_virtual_stage_layers: int | None = None  # --num-layers-per-virtual-pipeline-stage (interleaved)
+    pp_first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
+    pp_last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
+    pp_layout: str | None = None  # --pipeline-model-parallel-layout, e.g. "Et*3|t*4|t*3L"
 
     def describe(self) -> str:
         cp = f" cp={self.cp} cp_comm_type={self.cp_comm_type}" if self.cp > 1 else ""
-        return (f"tp={self.tp}{cp} sp={'on' if self.sp else 'off'} backend={self.backend} "
+        pp = f" pp={self.pp}" if self.pp > 1 else ""
+        return (f"tp={self.tp}{cp}{pp} sp={'on' if self.sp else 'off'} backend={self.backend} "
                 f"micro_batch_size={self.micro_batch_size} dtype={self.dtype} fuse={'on' if self.fuse else 'off'}")
 
     def as_dict(self) -> dict:
         """The settings as plain data (a generated folder's SETTINGS), in a fixed key order."""
         return {"tp": self.tp, "sp": self.sp, "backend": self.backend, "micro_batch_size": self.micro_batch_size,
-                "dtype": self.dtype, "fuse": self.fuse, "cp": self.cp, "cp_comm_type": self.cp_comm_type}
+                "dtype": self.dtype, "fuse": self.fuse, "cp": self.cp, "cp_comm_type": self.cp_comm_type,
+                **{k: v for k, v in self.pipeline_dict().items() if v != PIPELINE_DEFAULTS[k]}}
+
+    def pipeline_dict(self) -> dict:
+        """The pipeline settings (as_dict names them only where they differ from the defaults, so
+        a PP=1 module's SETTINGS stays what it was before pipeline parallelism existed)."""
+        return {"pp": self.pp, "pp_virtual_stage_layers": self.pp_virtual_stage_layers,
+                "pp_first_stage_layers": self.pp_first_stage_layers,
+                "pp_last_stage_layers": self.pp_last_stage_layers, "pp_layout": self.pp_layout}
+
+
+PIPELINE_DEFAULTS = {"pp": 1, "pp_virtual_stage_layers": None, "pp_first_stage_layers": None,
+                     "pp_last_stage_layers": None, "pp_layout": None}
 
 
 @dataclass

@@ -1,0 +1,129 @@
+"""Pipeline parallelism at run time: the stages of a compiled model driven by PyTorch's own
+schedules (torch.distributed.pipelining), not a home-made one.
+
+A model compiled at PP > 1 holds, on each pipeline rank, the parts of that rank's stages (its
+PIPELINE_STAGES rows: the layers it owns, the embedding side on the first stage, the output side
+on the last) and runs one stage per call: `model(h, stage=s, tokens=..., labels=...)`. Here each
+of the rank's stages becomes a `PipelineStage` over the pipeline group, and one schedule drives
+them all: GPipe, 1F1B, interleaved 1F1B (V > 1 stages per rank) or interleaved zero-bubble.
+
+The model inputs travel as keyword arguments, which the schedule splits into micro-batches and
+hands to every stage (the first reads the token ids, the last the labels: Megatron's data loader
+feeds both ends); the activations between stages are the tensors the compiler listed. The model
+returns its per-token loss on the last stage; the schedule's loss function averages it per
+micro-batch and divides by the micro-batch count, as the PP = 1 loop's `(loss / n).backward()`
+does, so gradients and the reported loss are the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import comm
+from .parallel_state import ProcessGroups
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble")
+
+
+class _StageModule(nn.Module):
+    """One stage of a model that holds several: forward runs stage `index`."""
+
+    def __init__(self, model: nn.Module, index: int):
+        super().__init__()
+        self.model, self.index = model, index
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, stage=self.index, **kwargs)
+
+
+def stages_of(model: nn.Module) -> list:
+    """The PIPELINE_STAGES rows this rank's model was built for."""
+    stages = getattr(model, "stages", None)
+    if not stages:
+        raise ValueError("the model was not compiled for pipeline parallelism (it has no `stages`)")
+    return list(stages)
+
+
+def default_schedule(model: nn.Module) -> str:
+    return "interleaved_1f1b" if len(stages_of(model)) > 1 else "1f1b"
+
+
+class Pipeline:
+    """The schedule over this rank's stages of `model` (a compiled module at PP > 1).
+
+    input_names: the model's inputs, in the spec's order (passed by name to every stage).
+    `step(inputs, micro_batches)` runs forward and backward of one global batch on this DP rank
+    and returns the mean loss (on every pipeline rank: the last stage's, broadcast).
+    """
+
+    def __init__(self, model: nn.Module, pg: ProcessGroups, n_microbatches: int, input_names, *,
+                 schedule: str | None = None, device: torch.device | None = None):
+        from torch.distributed import pipelining as pl
+
+        if pg.pp.size < 2:
+            raise ValueError("a Pipeline needs a pipeline-parallel group of 2 or more ranks")
+        self.model, self.pg, self.n = model, pg, n_microbatches
+        self.input_names = tuple(input_names)
+        rows = stages_of(model)
+        self.schedule_name = schedule or default_schedule(model)
+        if self.schedule_name not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {self.schedule_name!r}; known: {', '.join(SCHEDULES)}")
+        num_stages = pg.pp.size * len(rows)
+        device = device or torch.device("cpu")
+        self.stages = [pl.PipelineStage(_StageModule(model, row["stage"]), row["stage"], num_stages, device,
+                                        group=pg.pp.group) for row in rows]
+        self.has_last = any(row["post_process"] for row in rows)
+        n = n_microbatches
+
+        def loss_fn(per_token_loss, target):  # the mean over a micro-batch's tokens, 1/m of the step
+            del target
+            return per_token_loss.float().mean() / n
+
+        multi = len(rows) > 1
+        if self.schedule_name in ("1f1b", "gpipe") and multi:
+            raise ValueError(f"schedule {self.schedule_name} runs one stage per rank; this model has {len(rows)} "
+                             f"per rank (interleaved): use interleaved_1f1b or interleaved_zero_bubble")
+        if n_microbatches < pg.pp.size and self.schedule_name != "gpipe":
+            raise ValueError(f"{n_microbatches} micro-batches are fewer than the {pg.pp.size} pipeline stages the "
+                             f"{self.schedule_name} schedule needs in flight (raise the global batch)")
+        # scale_grads=False: the gradients are already 1/m (loss_fn), and runtime.ddp keeps them in
+        # main_grad, where the schedule's own scaling (of .grad) would not reach
+        if self.schedule_name == "gpipe":
+            self.schedule = pl.ScheduleGPipe(self.stages[0], n, loss_fn=loss_fn, scale_grads=False)
+        elif self.schedule_name == "1f1b":
+            self.schedule = pl.Schedule1F1B(self.stages[0], n, loss_fn=loss_fn, scale_grads=False)
+        elif self.schedule_name == "interleaved_1f1b":
+            self.schedule = pl.ScheduleInterleaved1F1B(self.stages, n, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = pl.ScheduleInterleavedZeroBubble(self.stages, n, loss_fn=loss_fn, scale_grads=False)
+
+    def _kwargs(self, micro_batches: list) -> dict:
+        """The global batch of this DP rank as keyword inputs: the micro-batches concatenated on
+        dim 0, which the schedule splits back into the same micro-batches."""
+        if len(micro_batches) != self.n:
+            raise ValueError(f"expected {self.n} micro-batches, got {len(micro_batches)}")
+        return {name: torch.cat([mb[i] for mb in micro_batches]) for i, name in enumerate(self.input_names)}
+
+    def step(self, micro_batches: list, *, train: bool = True) -> torch.Tensor:
+        """Forward (and with `train`, backward) of the micro-batches; the mean loss, a 1-element
+        fp32 tensor on every pipeline rank. Gradients accumulate; finalize them afterwards."""
+        kwargs = self._kwargs(micro_batches)
+        target = kwargs[self.input_names[-1]]
+        losses: list = []
+        if train:
+            self.schedule.step(target=target, losses=losses, **kwargs)
+        else:
+            self.schedule.eval(target=target, losses=losses, **kwargs)
+        total = torch.zeros(1, dtype=torch.float32)
+        if self.has_last:
+            total += torch.stack([x.detach().float() for x in losses]).sum().reshape(1).cpu()
+        comm.all_reduce(total, self.pg.pp)  # only the last stage holds the loss: the others add zero
+        return total
+
+    def outputs(self, micro_batches: list) -> torch.Tensor | None:
+        """Forward only; the last stage's per-token loss of the whole batch (None elsewhere)."""
+        kwargs = self._kwargs(micro_batches)
+        with torch.no_grad():
+            out = self.schedule.eval(target=kwargs[self.input_names[-1]], **kwargs)
+        return out if self.has_last else None
