@@ -106,6 +106,9 @@ def cmd_verify(args) -> int:
         raise SpecError(Loc(f"--tolerance {args.tolerance}"), "must be a positive number")
     tps = _int_list(args.tp_list, "--tp")
     cps = _int_list(args.cp_list, "--cp")
+    pps = _int_list(args.pp_list, "--pp")
+    dps = _int_list(args.dp_list, "--dp")
+    virtual = [None] if args.vpp_list is None else _int_list(args.vpp_list, "--num-layers-per-virtual-pipeline-stage")
     comms = {"auto": ["auto"], "p2p": ["p2p"], "all_gather": ["all_gather"], "both": ["p2p", "all_gather"]}[
         args.cp_comm_mode]
     sps = {"on": [True], "off": [False], "both": [False, True]}[args.sp_mode]
@@ -119,6 +122,25 @@ def cmd_verify(args) -> int:
             for sp in sps if tp > 1 else [False]:
                 load_and_compile(args.spec, Settings(tp=tp, sp=sp, cp=cp, micro_batch_size=args.batch, dtype="fp32"),
                                  located)
+                for pp in [x for x in pps if x > 1]:
+                    for v in virtual:
+                        load_and_compile(args.spec, Settings(tp=tp, sp=sp, cp=cp, pp=pp, pp_virtual_stage_layers=v,
+                                                             dtype="fp32"), located)
+    if max(pps) > 1:  # every pipeline setting runs on all the ranks: the smallest ones over the most DP ranks
+        import math
+
+        world = 1
+        for tp in tps + [1]:
+            for cp in cps + [1]:
+                world = math.lcm(world, tp * cp)
+                for pp in pps:
+                    world = math.lcm(world, tp * cp * pp * max(dps))
+        for pp in [x for x in pps if x > 1]:
+            dp = world // pp
+            if args.batch % dp or args.batch // dp < pp:
+                raise SpecError(Loc(f"--batch {args.batch}"), f"PP={pp} runs on {world} ranks with DP={dp}: the batch "
+                                f"must split into {dp} equal shares of at least {pp} micro-batches",
+                                f"use --batch {dp * pp}")
     from specc_torch.verify import MUTATIONS, RankFailure, VerifyConfig, format_table, verify  # imports torch: only now
 
     if args.mutate is not None and args.mutate not in MUTATIONS:
@@ -129,8 +151,12 @@ def cmd_verify(args) -> int:
     cfg = VerifyConfig(spec=args.spec, tps=sorted(set([1] + tps)), sps=sps, steps=args.steps, seed=args.seed,
                        batch=args.batch, overrides=overrides, tolerance=args.tolerance, mutate=args.mutate,
                        tp_invariant_dropout=args.tp_invariant_dropout, cps=sorted(set([1] + cps)), cp_comm_types=comms,
-                       torch_compile=args.torch_compile_backend if args.torch_compile else None)
+                       torch_compile=args.torch_compile_backend if args.torch_compile else None,
+                       pps=sorted(set(pps)), pp_virtual=virtual, dps=sorted(set(dps)), pp_schedule=args.pp_schedule)
     cp_text = f", cp {','.join(map(str, cfg.cps))} ({args.cp_comm_mode})" if max(cfg.cps) > 1 else ""
+    if max(pps) > 1:
+        cp_text += f", pp {','.join(map(str, cfg.pps))}" + (f" (vpp {args.vpp_list})" if args.vpp_list else "") + \
+            (f", dp {','.join(map(str, cfg.dps))}" if max(dps) > 1 else "")
     print(f"specc verify {args.spec}: tp {','.join(map(str, cfg.tps))}{cp_text}, sp {args.sp_mode}, {cfg.steps} steps, "
           f"batch {cfg.batch}, seed {cfg.seed}" + (f", MUTATION {cfg.mutate}" if cfg.mutate else "") +
           (f", torch.compile ({cfg.torch_compile}) against the eager reference" if cfg.torch_compile else ""), flush=True)
@@ -215,6 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context-parallel sizes to check, each with every TP size (default 1)")
     c.add_argument("--cp-comm-type", dest="cp_comm_mode", choices=("auto", "p2p", "all_gather", "both"),
                    default="both", help="attention over CP: the cost model's choice, one, or both (default both)")
+    c.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp_list", default="1", metavar="N,N",
+                   help="pipeline sizes to check, each with every TP/CP setting (default 1)")
+    c.add_argument("--num-layers-per-virtual-pipeline-stage", dest="vpp_list", default=None, metavar="N,N",
+                   help="interleaved pipeline settings: layers per virtual stage")
+    c.add_argument("--dp", dest="dp_list", default="1", metavar="N,N",
+                   help="data-parallel sizes of the pipeline settings (each DP rank its share of the batch)")
+    c.add_argument("--pp-schedule", dest="pp_schedule", default=None,
+                   choices=("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble"),
+                   help="the torch.distributed.pipelining schedule (default 1f1b; interleaved_1f1b with virtual stages)")
     c.add_argument("--steps", type=int, default=2, metavar="K", help="optimizer steps compared (default 2)")
     c.add_argument("--seed", type=int, default=1234)
     c.add_argument("--batch", type=int, default=2, metavar="B", help="micro-batch size (default 2)")

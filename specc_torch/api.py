@@ -26,14 +26,20 @@ __all__ = ["build_model", "compile_source", "load_generated", "load_module_from_
 
 def compile_source(spec_path: str, tp: int, sp: bool = False, backend: str = "auto", overrides=(),
                    micro_batch_size: int = 1, dtype: str = "fp32", fuse: bool = True, cp: int = 1,
-                   cp_comm_type: str = "auto"):
+                   cp_comm_type: str = "auto", pp: int = 1, pp_virtual_stage_layers: int | None = None,
+                   pp_first_stage_layers: int | None = None, pp_last_stage_layers: int | None = None,
+                   pp_layout: str | None = None):
     """(model.py source, spec, graph) for a spec at these settings, compiled in memory."""
     settings = Settings(tp=tp, sp=sp and tp > 1, backend=backend, micro_batch_size=micro_batch_size, dtype=dtype,
-                        fuse=fuse, cp=cp, cp_comm_type=cp_comm_type if cp > 1 else "auto")
+                        fuse=fuse, cp=cp, cp_comm_type=cp_comm_type if cp > 1 else "auto", pp=pp,
+                        pp_virtual_stage_layers=pp_virtual_stage_layers, pp_first_stage_layers=pp_first_stage_layers,
+                        pp_last_stage_layers=pp_last_stage_layers, pp_layout=pp_layout)
     located = [(k, v, Loc(f"--set {k}={v}")) for k, v in dict(overrides).items()]
     spec, graph = load_and_compile(spec_path, settings, located)
     command = f"specc compile {spec_path} --tp {tp}" + (" --sp" if settings.sp else "") + (
-        f" --cp {cp}" if cp > 1 else "") + (f" --cp-comm-type {settings.cp_comm_type}" if settings.cp_comm_type != "auto" else "")
+        f" --cp {cp}" if cp > 1 else "") + (f" --cp-comm-type {settings.cp_comm_type}" if settings.cp_comm_type != "auto" else "") \
+        + (f" --pp {pp}" if pp > 1 else "") + (f" --num-layers-per-virtual-pipeline-stage {pp_virtual_stage_layers}"
+                                               if pp_virtual_stage_layers else "")
     return emit_model(graph, command), spec, graph
 
 

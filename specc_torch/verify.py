@@ -63,6 +63,10 @@ class VerifyConfig:
     cps: list = field(default_factory=lambda: [1])  # context-parallel sizes
     cp_comm_types: list = field(default_factory=lambda: ["auto"])  # attention over CP: p2p, all_gather, auto
     torch_compile: str | None = None  # a torch.compile backend for the checked models' layers (the reference is eager)
+    pps: list = field(default_factory=lambda: [1])  # pipeline sizes (each with every TP/CP setting)
+    pp_virtual: list = field(default_factory=lambda: [None])  # layers per virtual stage (None: not interleaved)
+    dps: list = field(default_factory=lambda: [1])  # data-parallel sizes of the pipeline settings
+    pp_schedule: str | None = None  # runtime.pipeline.SCHEDULES; None: 1F1B, interleaved 1F1B with V > 1
 
 
 @dataclass
@@ -431,7 +435,135 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
                                 _counts_text(measured) + ("" if ok else f"  (plan: {_counts_text(plan)})")))
         finally:
             pg.destroy()
+    if any(pp > 1 for pp in cfg.pps):
+        rows += _verify_pipeline(cfg, refs, spec, inputs, build)
     return rows if rank == 0 else []
+
+
+# -- pipeline parallelism ----------------------------------------------------------------------------
+
+def _pipeline_settings(cfg: VerifyConfig) -> list:
+    """(pp, layers per virtual stage, dp, tp, cp, sp) of every pipeline setting, in a fixed order;
+    dp is the least asked for (the world may give a setting more: verify runs it on every rank)."""
+    out = []
+    for pp in cfg.pps:
+        if pp == 1:
+            continue
+        for virtual in cfg.pp_virtual:
+            for cp in cfg.cps:
+                for tp in cfg.tps:
+                    for sp in (cfg.sps if tp > 1 else [False]):
+                        out.append((pp, virtual, max(cfg.dps), tp, cp, sp))
+    return out
+
+
+def _verify_pipeline(cfg: VerifyConfig, refs: dict, spec, inputs, build) -> list:
+    """Each pipeline setting against the PP = 1 model: the mean loss at every step, every gradient
+    (gathered over TP, collected over the stages; a weight tied across stages on both of its
+    ends) and the weights after K SGD steps, from the initial and from randomized weights. The
+    model runs as training does: runtime.ddp over DP (each DP rank its share of the batch), the
+    stages driven by a torch.distributed.pipelining schedule over micro-batches of one sample."""
+    rows = []
+    names = [i.name for i in spec.inputs]
+    for pp, virtual, dp, tp, cp, sp in _pipeline_settings(cfg):
+        dp = dist.get_world_size() // (pp * tp * cp)  # every rank takes part: the rest replicate over DP
+        setting = f"pp={pp}" + (f" vpp={virtual}" if virtual else "") + (f" dp={dp}" if dp > 1 else "") + \
+            f" tp={tp}" + (f" cp={cp}" if cp > 1 else "") + f" sp={'on' if sp else 'off'}"
+        if cfg.batch % dp or cfg.batch // dp < pp:
+            raise ValueError(f"{setting}: --batch {cfg.batch} must split into DP={dp} shares of at least PP={pp} "
+                             f"micro-batches (use --batch {dp * pp} or more)")
+        pg = ProcessGroups.initialize(tp=tp, cp=cp, pp=pp, dp=dp)
+        try:
+            text, spec_t, _ = api.compile_source(cfg.spec, tp, sp, overrides=cfg.overrides, micro_batch_size=1,
+                                                 cp=cp, pp=pp, pp_virtual_stage_layers=virtual)
+            for prefix, randomized in WEIGHTS:
+                model = build(text, spec_t.name, pg, randomized)
+                got = _run_pipeline(model, pg, cfg, names, inputs)
+                ref = refs[prefix]
+                want = {"loss": ref["loss"].double().mean(dim=tuple(range(1, ref["loss"].dim()))),
+                        "grads": dict(ref["grads"]), "weights": dict(ref["weights"])}
+                for what in ("grads", "weights"):
+                    for key in got[what]:
+                        if key.endswith(_COPY):
+                            want[what][key] = want[what][key[:-len(_COPY)]]
+                rows.append(replace(_row(setting, "loss (every step, mean)", got["loss"], want["loss"],
+                                         cfg.tolerance, cfg.atol), quantity=prefix + "loss (every step, mean)"))
+                for what, label in (("grads", "gradients (all params, all stages)"),
+                                    ("weights", f"weights after {cfg.steps} SGD steps")):
+                    rows.append(replace(_compare_named(setting, label, want[what], got[what], cfg.tolerance,
+                                                       cfg.atol), quantity=prefix + label))
+        finally:
+            pg.destroy()
+    return rows
+
+
+_COPY = " (last stage's copy)"
+
+
+def _run_pipeline(model, pg, cfg, names, inputs) -> dict:
+    from runtime.ddp import DistributedDataParallel
+    from runtime.init import init_name, is_tied_copy
+    from runtime.pipeline import Pipeline
+
+    ddp = DistributedDataParallel(model, pg)
+    share = cfg.batch // pg.dp.size
+    pipe = Pipeline(model, pg, share, names, schedule=cfg.pp_schedule)
+    losses, grads = [], None
+    for step in range(cfg.steps):
+        batch = _data(cfg, inputs, step)
+        mine = [t[pg.dp.rank * share:(pg.dp.rank + 1) * share] for t in batch]
+        micro = [tuple(t[i:i + 1] for t in mine) for i in range(share)]
+        ddp.zero_grad_buffer()
+        with ddp.no_sync():
+            loss = pipe.step(micro)
+        finalize_model_grads(model, pg, ddp)
+        if pg.dp.size > 1:
+            comm_all_reduce(loss, pg.dp)
+            loss /= pg.dp.size
+        losses.append(loss.double().reshape(()))
+        if step == 0:
+            grads = _collect(model, pg, lambda p: p.main_grad, init_name, is_tied_copy)
+        with torch.no_grad():
+            for p in ddp.params:
+                p.add_(p.main_grad, alpha=-cfg.lr)
+    weights = _collect(model, pg, lambda p: p, init_name, is_tied_copy)
+    return {"loss": torch.stack(losses), "grads": grads, "weights": weights}
+
+
+def comm_all_reduce(t, group):
+    from runtime.comm import all_reduce
+
+    all_reduce(t, group)
+
+
+def _collect(model, pg, what, init_name, is_tied_copy) -> dict:
+    """Full tensors of every parameter of every stage by (checkpoint) name, on every rank."""
+    mine = {}
+    for name, p in model.named_parameters():
+        key = init_name(name, p) + (_COPY if is_tied_copy(p) else "")
+        mine[key] = gather_full(what(p).detach(), p, pg.tp)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out = {}
+    for part in everyone:
+        for key, t in part.items():
+            out.setdefault(key, t)
+    return dict(sorted(out.items()))
+
+
+def _compare_named(setting, label, ref: dict, got: dict, tol, atol) -> Row:
+    worst, first_bad, abs_max = 0.0, None, 0.0
+    for name, r in ref.items():
+        g = got.get(name)
+        if g is None or g.shape != r.shape:
+            first_bad = first_bad or f"{name} (missing or shape {None if g is None else tuple(g.shape)} != {tuple(r.shape)})"
+            worst = float("inf")
+            continue
+        a, rel = _errors(g, r)
+        abs_max, worst = max(abs_max, a), max(worst, rel)
+        if not _close(g, r, tol, atol) and first_bad is None:
+            first_bad = f"first diverging parameter: {name} (abs err {a:.2e}, rel err {rel:.2e})"
+    return Row(setting, label, abs_max, worst, first_bad is None, first_bad or f"{len(ref)} tensors")
 
 
 def _settings(cfg: VerifyConfig) -> list:
@@ -450,6 +582,8 @@ def world_size(cfg: VerifyConfig) -> int:
     world = 1
     for tp, cp, _, _ in _settings(cfg):
         world = math.lcm(world, tp * cp)
+    for pp, _, dp, tp, cp, _ in _pipeline_settings(cfg):
+        world = math.lcm(world, pp * dp * tp * cp)
     return world
 
 

@@ -215,7 +215,72 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
     }
     if settings.cp > 1:
         totals["cp_partial_grad_parameters"] = partial.get("cp", 0)
+    if graph.pipeline is not None:
+        totals["pipeline"] = _pipeline_totals(graph, raw, settings)
     return totals
+
+
+def _pipeline_totals(graph, raw: list, settings) -> dict:
+    """Per stage: layers, parameters and Adam state (a tied weight's copy counts on the last
+    stage: it is a tensor there), the activations one micro-batch keeps for backward, how many
+    micro-batches are in flight at the schedule's peak, the p2p bytes per micro-batch; and the
+    bubble (P - 1) / (V·m + P - 1) for a few micro-batch counts m."""
+    from ..passes.pipeline import bubble_fraction, in_flight
+
+    pipe = graph.pipeline
+    last = len(pipe.stages) - 1
+
+    def stage_of(scope: str, pre: bool) -> int:
+        s = pipe.stage_of_scope(scope)
+        return s if s >= 0 else (0 if pre else last)
+
+    first_layer_op = next(i for i, op in enumerate(graph.iter_ops())
+                          if op.scope == pipe.block or op.scope.startswith(pipe.block + "."))
+    params = [0] * len(pipe.stages)
+    acts = [0] * len(pipe.stages)
+    seen, seen_saved = set(), set()
+    copies = {copy for _, copy in pipe.ties}
+    for i, (op, e) in enumerate(zip(graph.iter_ops(), raw)):
+        s = stage_of(op.scope, i < first_layer_op)
+        key = op.id.split("#")[0]
+        if key not in seen:
+            seen.add(key)
+            kind = OPS[op.kind]
+            owned = list(kind.weights(op.attrs)) + (list(kind.shared_weights(op.attrs)) if op.id in copies else [])
+            params[s] += sum(numel(w.shape) // (settings.tp if w.shard_dim is not None else 1) for w in owned)
+        for k, nbytes in e.saved_items:
+            if (s, k) not in seen_saved:
+                seen_saved.add((s, k))
+                acts[s] += nbytes
+    m = 8 * pipe.size  # the peak is reached for any m >= 2P that is a multiple of P
+    stages = []
+    for st in pipe.stages:
+        flight = in_flight(st, pipe.size, pipe.virtual, m)
+        stages.append({
+            "stage": st.index, "rank": st.rank, "chunk": st.chunk, "layers": list(st.layers),
+            "pre_process": st.pre_process, "post_process": st.post_process,
+            "parameters": params[st.index], "optimizer_bytes": params[st.index] * OPT_BYTES[settings.dtype],
+            "activation_bytes": acts[st.index], "in_flight": flight,
+            "send_bytes": sum(x.bytes for x in st.send), "recv_bytes": sum(x.bytes for x in st.recv),
+            "flops": st.cost,
+        })
+    ranks = []
+    for r in range(pipe.size):
+        mine = [x for x in stages if x["rank"] == r]
+        peak = max(x["activation_bytes"] for x in mine) * mine[0]["in_flight"] if pipe.virtual > 1 else \
+            mine[0]["activation_bytes"] * mine[0]["in_flight"]
+        ranks.append({"rank": r, "stages": [x["stage"] for x in mine],
+                      "parameters": sum(x["parameters"] for x in mine),
+                      "optimizer_bytes": sum(x["optimizer_bytes"] for x in mine),
+                      "peak_activation_bytes": peak, "in_flight": mine[0]["in_flight"]})
+    return {
+        "size": pipe.size, "virtual": pipe.virtual, "block": pipe.block, "placement": pipe.placement,
+        "schedule": "interleaved 1F1B" if pipe.virtual > 1 else "1F1B",
+        "stages": stages, "ranks": ranks,
+        "ties": [{"weight": owner, "copy": copy} for owner, copy in pipe.ties],
+        "bubble": {str(k * pipe.size): round(bubble_fraction(pipe.size, pipe.virtual, k * pipe.size), 6)
+                   for k in (1, 2, 4, 8)},
+    }
 
 
 def _layer_of(graph, name: str):

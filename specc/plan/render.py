@@ -75,6 +75,8 @@ def plan_text(plan) -> str:
             lines.append(f"  activations per layer           {human_bytes(first):>12}")
         for pat, n in sorted(plan.groups.items()):
             lines.append(f"  {pat} folds {n} identical instances")
+    if "pipeline" in t:
+        lines += _pipeline_lines(t["pipeline"], s)
     choices: dict = {}
     for e in plan.entries:
         if not _converts(e):
@@ -83,6 +85,40 @@ def plan_text(plan) -> str:
     for (impl, reason), n in sorted(choices.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"  {impl:<9}{n:>5} ops   {reason}")
     return "\n".join(lines) + "\n"
+
+
+def _pipeline_lines(pipe: dict, s) -> list:
+    v = pipe["virtual"]
+    chunks = f", {v} model chunks per rank (interleaved)" if v > 1 else ""
+    lines = ["", f"pipeline: {pipe['size']} stages of {pipe['block']}{chunks}, layers placed {pipe['placement']}; "
+             f"schedule {pipe['schedule']}"]
+    header = ("stage", "rank", "layers", "ends", "parameters", "optimizer", "activations/mb", "send/mb", "recv/mb")
+    rows = [header]
+    for st in pipe["stages"]:
+        layers = st["layers"]
+        ends = "+".join(x for x, on in (("embedding", st["pre_process"]), ("output", st["post_process"])) if on) or "-"
+        rows.append((str(st["stage"]), str(st["rank"]), f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0]),
+                     ends, f"{st['parameters']:,}", human_bytes(st["optimizer_bytes"]),
+                     human_bytes(st["activation_bytes"]), human_bytes(st["send_bytes"]) if st["send_bytes"] else "-",
+                     human_bytes(st["recv_bytes"]) if st["recv_bytes"] else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    what = ("1F1B: stage i holds min(P - i, m) micro-batches at its peak" if v == 1 else
+            "interleaved 1F1B: rank r holds (V-1)P + 2(P-1-r) + 1 chunk micro-batches at its peak, each counted "
+            "as its largest chunk's")
+    lines.append(f"  peak activations per rank ({what}; m >= 2P, a multiple of P):")
+    for r in pipe["ranks"]:
+        lines.append(f"    rank {r['rank']}: {r['in_flight']} in flight x activations = "
+                     f"{human_bytes(r['peak_activation_bytes'])}; parameters {r['parameters']:,}, optimizer "
+                     f"{human_bytes(r['optimizer_bytes'])}")
+    bubble = ", ".join(f"m={m}: {f:.3f}" for m, f in pipe["bubble"].items())
+    lines.append(f"  bubble (P-1)/(V*m+P-1): {bubble}")
+    lines.append(f"  p2p per micro-batch: the send/mb tensor forward, its gradient (same bytes) backward; "
+                 f"micro-batch of {s.micro_batch_size}")
+    for tie in pipe["ties"]:
+        lines.append(f"  {tie['weight']} is held by the first and last stage ({tie['copy']} uses the copy); "
+                     f"their gradients are all-reduced over the embedding group each step")
+    return lines
 
 
 def plan_dict(plan) -> dict:
