@@ -46,7 +46,11 @@ def config_from_args(args) -> TrainConfig:
     return TrainConfig(
         spec=args.spec,
         overrides=overrides,
-        parallel=ParallelConfig(tp=args.tp, sp=args.sp, cp=args.cp, cp_comm_type=args.cp_comm_type, pp=args.pp),
+        parallel=ParallelConfig(tp=args.tp, sp=args.sp, cp=args.cp, cp_comm_type=args.cp_comm_type, pp=args.pp,
+                                pp_virtual_stage_layers=args.pp_virtual_stage_layers,
+                                pp_first_stage_layers=args.pp_first_stage_layers,
+                                pp_last_stage_layers=args.pp_last_stage_layers, pp_layout=args.pp_layout,
+                                pp_schedule=args.pp_schedule),
         optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                                   clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
@@ -87,7 +91,11 @@ def compile_model(cfg: TrainConfig):
     source, spec, _ = compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=cfg.overrides,
                                      micro_batch_size=cfg.micro_batch_size,
                                      dtype="bf16" if cfg.bf16 else "fp32", cp=cfg.parallel.cp,
-                                     cp_comm_type=cfg.parallel.cp_comm_type)
+                                     cp_comm_type=cfg.parallel.cp_comm_type, pp=cfg.parallel.pp,
+                                     pp_virtual_stage_layers=cfg.parallel.pp_virtual_stage_layers,
+                                     pp_first_stage_layers=cfg.parallel.pp_first_stage_layers,
+                                     pp_last_stage_layers=cfg.parallel.pp_last_stage_layers,
+                                     pp_layout=cfg.parallel.pp_layout)
     return source, spec
 
 

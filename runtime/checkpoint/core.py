@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..init import init_name, is_tied_copy
 from ..parallel_state import ProcessGroups
 from . import dcp
 from .boxes import Boxes, flat_boxes, param_boxes
@@ -91,6 +92,7 @@ def flat_param_shards(model: torch.nn.Module, param_range: dict, lo: int, hi: in
         start, end = param_range[p]
         a, b = max(start, lo), min(end, hi)
         if a < b:
+            name = init_name(name, p)  # a weight tied across pipeline stages: under its owner's name
             out[name] = ParamShard(name, flat[a - lo:b - lo], start=a - start)
     return out
 
@@ -183,16 +185,32 @@ def _spec_identity(model, spec_name, spec_sha256) -> dict:
             "sha256": spec_sha256 if spec_sha256 is not None else namespace.get("SPEC_SHA256")}
 
 
-def _param_entries(model) -> tuple[dict, dict, dict]:
-    """(entries "model/NAME" -> Boxes of this rank's shard, {NAME: shape/dtype}, {NAME: param})."""
+def _param_entries(model, saving: bool = False) -> tuple[dict, dict, dict]:
+    """(entries "model/NAME" -> Boxes of this rank's shard, {NAME: shape/dtype}, {NAME: param}).
+
+    NAME is the PP = 1 model's: a pipeline stage keeps global layer indices, and the last stage's
+    copy of a weight tied to the first stage's is stored once, under the owner's name (the first
+    stage writes it; when `saving`, the copy is left out), and loaded into both."""
     entries, described, params = {}, {}, {}
     for name, p in model.named_parameters():
+        name = init_name(name, p)
+        params[name] = p
+        if saving and is_tied_copy(p):
+            continue
         meta = getattr(p, "_specc_init", None)
         shape = tuple(meta.full_shape) if meta is not None else tuple(p.shape)
         entries[f"model/{name}"] = Boxes(shape, p.dtype, param_boxes(p.detach(), meta))
         described[name] = {"shape": list(shape), "dtype": _dtype_name(p.dtype)}
-        params[name] = p
     return entries, described, params
+
+
+def _everyones(world, described: dict) -> dict:
+    """The union of every rank's parameters (pipeline stages hold different ones), by name."""
+    out = {}
+    for theirs in world.gather(described):
+        for name, d in theirs.items():
+            out.setdefault(name, d)
+    return out  # rank 0's order first (the model's), then the names only other stages hold
 
 
 def _walk(obj, path=()):
@@ -243,11 +261,13 @@ def _shard_boxes(shard: ParamShard, params: dict) -> Boxes:
     return Boxes(shape, t.dtype, boxes)
 
 
-def _split_state(state, params: dict) -> tuple[dict, dict, dict, dict]:
+def _split_state(state, params: dict, saving: bool = False) -> tuple[dict, dict, dict, dict]:
     """Optimizer state -> (entries "optimizer/PATH" -> Boxes, {PATH: described}, replicated
     {path: value}, rank-local {path: value})."""
     entries, described, replicated, local = {}, {}, {}, {}
     for path, leaf in _walk(state):
+        if isinstance(leaf, ParamShard) and saving and leaf.param in params and is_tied_copy(params[leaf.param]):
+            continue  # the first stage saves the tied weight's state (the same numbers)
         if isinstance(leaf, ParamShard):
             key = _path_text(path)
             boxes = _shard_boxes(leaf, params)
@@ -328,10 +348,11 @@ def save_checkpoint(directory: str, step: int, model: torch.nn.Module, pg: Proce
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be a positive integer, got {keep_last!r}")
 
-    entries, described, params = _param_entries(model)
+    entries, described, params = _param_entries(model, saving=True)
+    described = _everyones(world, described)
     error, opt = None, None
     try:
-        opt = _split_state(optimizer_state, params) if optimizer_state is not None else None
+        opt = _split_state(optimizer_state, params, saving=True) if optimizer_state is not None else None
         _check_plain(scheduler_state, "scheduler_state")
         _check_plain(data_state, "data_state")
     except ValueError as e:
@@ -665,10 +686,11 @@ def load_checkpoint(directory: str, model: torch.nn.Module, pg: ProcessGroups | 
     _verify_files(path, info, world, verify_checksums)
 
     entries, described, params = _param_entries(model)
+    everyone = _everyones(world, described)
     error = None
     try:
         check_spec(path, info["spec"], _spec_identity(model, spec_name, spec_sha256), allow_spec_change)
-        check_params(path, info["params"], described)
+        check_params(path, info["params"], everyone)
     except CheckpointError as e:
         error = str(e)
     world.agree(error)

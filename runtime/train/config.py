@@ -22,6 +22,11 @@ class ParallelConfig:
     cp: int = 1
     cp_comm_type: str = "auto"  # attention over the CP group: auto (the cost model), p2p (ring), all_gather
     pp: int = 1
+    pp_virtual_stage_layers: int | None = None  # interleaved: layers per virtual stage
+    pp_first_stage_layers: int | None = None
+    pp_last_stage_layers: int | None = None
+    pp_layout: str | None = None
+    pp_schedule: str | None = None  # runtime.pipeline.SCHEDULES; None: 1f1b (interleaved_1f1b with V > 1)
     dp: int = 1  # derived from the world size by `resolve`
 
 
@@ -111,8 +116,9 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
     elif par.cp_comm_type != "auto" and par.cp == 1:
         errors.append("--cp-comm-type has no effect without context parallelism (add --context-parallel-size N, "
                       "or drop --cp-comm-type)")
-    if par.pp > 1:
-        errors.append(f"--pipeline-model-parallel-size {par.pp}: pipeline parallelism is not implemented (use 1)")
+    if par.pp_schedule is not None and par.pp == 1:
+        errors.append("--pipeline-schedule has no effect without pipeline parallelism (add "
+                      "--pipeline-model-parallel-size N, or drop it)")
     if par.sp and par.tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size 2 or more (sequence parallelism shards "
                       "the sequence over the tensor-parallel ranks; add --tp N, or drop --sp)")
@@ -137,6 +143,10 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
             errors.append(f"--global-batch-size {cfg.global_batch_size} is not divisible by micro batch * DP = "
                           f"{cfg.micro_batch_size}*{par.dp} = {per_step} (global batch = micro batch * DP * "
                           f"accumulation steps)")
+        elif par.pp > 1 and cfg.num_micro_batches < par.pp and par.pp_schedule != "gpipe":
+            errors.append(f"--global-batch-size {cfg.global_batch_size} gives {cfg.num_micro_batches} micro-batch(es) "
+                          f"per step, fewer than the {par.pp} pipeline stages the 1F1B schedules keep in flight "
+                          f"(use --global-batch-size {par.pp * per_step} or more)")
     for flag, value, least in (("--train-iters", cfg.train_iters, 1), ("--eval-interval", cfg.eval_interval, 1),
                                ("--eval-iters", cfg.eval_iters, 0), ("--log-interval", cfg.logging.log_interval, 1),
                                ("--lr-warmup-iters", cfg.schedule.lr_warmup_iters, 0)):

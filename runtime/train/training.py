@@ -58,6 +58,7 @@ class Setup:
     rng_tracker: RNGTracker
     device: torch.device
     forward_step: Callable
+    pipeline: object = None  # runtime.pipeline.Pipeline at PP > 1: the schedule that runs every micro-batch
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -87,7 +88,13 @@ def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch
                      beta1=opt.adam_beta1, beta2=opt.adam_beta2, eps=opt.adam_eps, clip_grad=opt.clip_grad)
     schedule = LRSchedule(opt.lr, opt.min_lr, cfg.schedule.lr_warmup_iters, decay_iters(cfg),
                           cfg.schedule.lr_decay_style)
-    return Setup(model, ddp, optimizer, schedule, spec, rng, device, forward_step_for(spec))
+    pipeline = None
+    if pg.pp.size > 1:
+        from ..pipeline import Pipeline
+
+        pipeline = Pipeline(model, pg, cfg.num_micro_batches, [i.name for i in spec.inputs],
+                            schedule=cfg.parallel.pp_schedule, device=device)
+    return Setup(model, ddp, optimizer, schedule, spec, rng, device, forward_step_for(spec), pipeline)
 
 
 @torch.no_grad()
@@ -123,6 +130,12 @@ def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, 
     ddp.zero_grad_buffer()
     n = len(micro_batches)
     total = torch.zeros((), dtype=torch.float32, device=setup.device)
+    if setup.pipeline is not None:
+        # the schedule runs every micro-batch's forward and backward on this rank's stages; the
+        # data-parallel reduction waits for finalize_model_grads (after the tied-weight sum)
+        with ddp.no_sync(), _autocast(setup, bf16):
+            total += setup.pipeline.step(micro_batches).to(setup.device).reshape(()) * n
+        micro_batches = []
     for i, batch in enumerate(micro_batches):
         with contextlib.nullcontext() if i == n - 1 else ddp.no_sync():
             with _autocast(setup, bf16):
@@ -149,6 +162,13 @@ def evaluate(setup: Setup, dataset, cfg: TrainConfig, pg: ProcessGroups) -> floa
     count = 0
     try:
         for it in range(cfg.eval_iters):
+            if setup.pipeline is not None:
+                batches = [micro_batch(dataset, it * cfg.global_batch_size, m, cfg, pg, setup.device)
+                           for m in range(cfg.num_micro_batches)]
+                with _autocast(setup, cfg.bf16):
+                    total += setup.pipeline.step(batches, train=False).double().to(setup.device) * len(batches)
+                count += len(batches)
+                continue
             for m in range(cfg.num_micro_batches):
                 batch = micro_batch(dataset, it * cfg.global_batch_size, m, cfg, pg, setup.device)
                 with _autocast(setup, cfg.bf16):

@@ -40,7 +40,12 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    "(default 1)")
     g.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("auto", "p2p", "all_gather"), default="auto",
                    help="attention over the context-parallel group: p2p (ring), all_gather, or auto (the cost model)")
-    g.add_argument("--pipeline-model-parallel-size", dest="pp", type=int, default=1, metavar="N", help="must be 1")
+    from ..args import pipeline_flags
+
+    pipeline_flags(g)
+    g.add_argument("--pipeline-schedule", dest="pp_schedule", default=None,
+                   choices=("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble"),
+                   help="torch.distributed.pipelining schedule (default 1f1b; interleaved_1f1b with virtual stages)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard Adam state and fp32 master weights over the data-parallel ranks")
     g.add_argument("--ddp-bucket-size", type=int, default=4_000_000, metavar="ELEMENTS",

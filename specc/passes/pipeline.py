@@ -146,6 +146,8 @@ def check_pipeline_flags(pp: int, virtual: int | None, first: int | None, last: 
 def cut_pipeline(graph, settings) -> Pipeline | None:
     """The stages of a typed graph at settings.pp; None at PP=1. Sets graph.pipeline."""
     graph.pipeline = None
+    check_pipeline_flags(settings.pp, settings.pp_virtual_stage_layers, settings.pp_first_stage_layers,
+                         settings.pp_last_stage_layers, settings.pp_layout)
     if settings.pp == 1:
         return None
     spec = graph.spec

@@ -1,0 +1,76 @@
+"""Issue 12's pipeline acceptance from the command line: the seed's `specc train` command with
+--pipeline-model-parallel-size 2 added trains the tiny GPT (tied embeddings) on 4 gloo ranks
+(TP=2 + SP inside each of 2 stages), and its checkpoint loads at PP=1 with the same validation
+loss; then the PP flags' errors, one line each, before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
+# the seed's command (docs/training.md), at a test's size: micro-batch 16, global batch 32
+SEED = ("--nproc-per-node", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        "--micro-batch-size", "16", "--global-batch-size", "32", "--lr", "3e-3")
+SMALL = ("--eval-iters", "1", "--log-interval", "1", "--no-progress")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from runtime.data import prepare, stdlib_files
+
+    out = str(tmp_path_factory.mktemp("pp_cli") / "corpus")
+    prepare(stdlib_files(limit=8), "byte", out)
+    return out
+
+
+def _records(run_dir, kind) -> list:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+def test_pp2_tp2_trains_and_its_checkpoint_loads_at_pp1_with_the_same_validation_loss(specc, corpus, tmp_path,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ckpt = tmp_path / "ckpt"
+    code, out, err = specc("train", GPT_TINY, *SEED, "--pipeline-model-parallel-size", "2", "--train-iters", "3",
+                           "--save", ckpt, "--data-path", corpus, "--run-dir", tmp_path / "pp", *SMALL)
+    assert code == 0, out + err[-3000:]
+    assert "TP 2 x CP 1 x DP 1 x PP 2" in out and out.count("consumed samples:") == 3
+    trained = _records(tmp_path / "pp", "train")
+    assert [r["iteration"] for r in trained] == [1, 2, 3] and trained[-1]["loss"] < trained[0]["loss"]
+    (saved,) = _records(tmp_path / "pp", "eval")
+
+    code, out, err = specc("train", GPT_TINY, "--load", ckpt, "--train-iters", "3", "--micro-batch-size", "16",
+                           "--global-batch-size", "32", "--data-path", corpus, "--run-dir", tmp_path / "one", *SMALL)
+    assert code == 0, out + err
+    (line,) = [ln for ln in out.splitlines() if ln.startswith(f"loaded checkpoint {ckpt / 'step_0000003'} at iteration 3")]
+    assert "'pp': 2" in line and line.endswith(", resharded)")
+    (loaded,) = _records(tmp_path / "one", "eval")
+    assert loaded["iteration"] == saved["iteration"] == 3
+    assert loaded["loss"] == pytest.approx(saved["loss"], rel=1e-5)
+
+
+def test_the_pipeline_flags_and_their_errors(specc, corpus, tmp_path):
+    run_dir = tmp_path / "never"
+    cases = [
+        (("--pipeline-model-parallel-size", "2", "--nproc-per-node", "2", "--global-batch-size", "1"),
+         "error: --global-batch-size 1 gives 1 micro-batch(es) per step, fewer than the 2 pipeline stages the 1F1B "
+         "schedules keep in flight (use --global-batch-size 2 or more)\n"),
+        (("--decoder-first-pipeline-num-layers", "1"),
+         "--decoder-first-pipeline-num-layers: error: has no effect without pipeline parallelism (add "
+         "--pipeline-model-parallel-size N (N > 1), or drop it)\n"),
+        (("--pipeline-model-parallel-size", "4", "--nproc-per-node", "4", "--global-batch-size", "4"),
+         "--pipeline-model-parallel-size: error: 2 layers cannot be cut into 4 pipeline stages of at least one layer "
+         "each (use fewer stages)\n"),
+        (("--pipeline-schedule", "gpipe"),
+         "error: --pipeline-schedule has no effect without pipeline parallelism (add --pipeline-model-parallel-size "
+         "N, or drop it)\n"),
+    ]
+    for flags, expected in cases:
+        code, _, err = specc("train", GPT_TINY, *flags, "--data-path", corpus, "--run-dir", run_dir)
+        assert (code, err) == (2, expected)
+    assert not run_dir.exists()
