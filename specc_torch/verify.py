@@ -67,6 +67,7 @@ class VerifyConfig:
     pp_virtual: list = field(default_factory=lambda: [None])  # layers per virtual stage (None: not interleaved)
     dps: list = field(default_factory=lambda: [1])  # data-parallel sizes of the pipeline settings
     pp_schedule: str | None = None  # runtime.pipeline.SCHEDULES; None: 1F1B, interleaved 1F1B with V > 1
+    pp_settings: list | None = None  # explicit (pp, layers per virtual stage, tp, cp, sp) instead of every combination
 
 
 @dataclass
@@ -435,7 +436,7 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
                                 _counts_text(measured) + ("" if ok else f"  (plan: {_counts_text(plan)})")))
         finally:
             pg.destroy()
-    if any(pp > 1 for pp in cfg.pps):
+    if _pipeline_settings(cfg):
         rows += _verify_pipeline(cfg, refs, spec, inputs, build)
     return rows if rank == 0 else []
 
@@ -445,6 +446,8 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
 def _pipeline_settings(cfg: VerifyConfig) -> list:
     """(pp, layers per virtual stage, dp, tp, cp, sp) of every pipeline setting, in a fixed order;
     dp is the least asked for (the world may give a setting more: verify runs it on every rank)."""
+    if cfg.pp_settings is not None:
+        return [(pp, virtual, max(cfg.dps), tp, cp, sp) for pp, virtual, tp, cp, sp in cfg.pp_settings]
     out = []
     for pp in cfg.pps:
         if pp == 1:
