@@ -101,6 +101,9 @@ def test_data_path_mistakes(train, corpus, tmp_path):
     _one_line(train("--mock-data"), "error: --mock-data and --data-path: give one")
     _one_line(train("--split", "9,x"), "error: --split 9,x: weights must be numbers")
     _one_line(train("--tokenizer-type", "GPT2BPETokenizer"), "error: --vocab-file is needed")
+    _one_line(train("--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--set", "vocab_size=256"),
+              "error: --set vocab_size=256 is smaller than the NullTokenizer vocabulary (301); drop it to use the "
+              "padded 384")
 
 
 def test_sequence_parallel_at_tp1(train):

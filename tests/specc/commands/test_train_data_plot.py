@@ -163,6 +163,26 @@ def test_data_prepare_and_its_errors(specc, tmp_path):
     assert code == 0 and "from 3 files" in err
 
 
+def test_mock_data_and_a_weighted_blend_train(specc, gpt2, tmp_path):
+    small = ("--train-iters", "2", "--micro-batch-size", "2", "--eval-iters", "1", "--log-interval", "1",
+             "--no-progress")
+    code, out, err = specc("train", GPT_TINY, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                           "1000", *small, "--run-dir", tmp_path / "mock")
+    assert code == 0, out + err
+    assert "data mock data (seeded random tokens):" in out and "vocabulary 1024 (NullTokenizer" in out
+    assert not (tmp_path / "mock" / "data").exists()  # no files
+    from runtime.data import build_tokenizer, prepare, stdlib_files
+
+    prefix, tokenizer = gpt2
+    other = str(tmp_path / "other_text_document")  # 20 more files, the same tokenizer
+    prepare(stdlib_files()[20:40], build_tokenizer("GPT2BPETokenizer", vocab_file=tokenizer[3], merge_file=tokenizer[5]),
+            other)
+    code, out, err = specc("train", GPT_TINY, "--data-path", "0.25", prefix, "0.75", other, *tokenizer, *small,
+                           "--run-dir", tmp_path / "blend")
+    assert code == 0, out + err
+    assert f"data 0.25 {prefix} 0.75 {other}:" in out and out.count("consumed samples:") == 2
+
+
 def test_plot_errors(specc, tmp_path):
     code, _, err = specc("plot", tmp_path / "nope")
     assert code == 2 and err.strip() == f"error: {tmp_path / 'nope'}: no such run directory"
