@@ -17,6 +17,7 @@ _FLAGS = (  # settings field, default, how the compile command spells a non-defa
     ("sp", False, lambda v: "--sp"),
     ("cp", 1, lambda v: f"--cp {v}"),
     ("cp_comm_type", "auto", lambda v: f"--cp-comm-type {v}"),
+    ("ep", 1, lambda v: f"--ep {v}"),
     ("backend", "auto", lambda v: f"--backend {v}"),
     ("micro_batch_size", 1, lambda v: f"--micro-batch-size {v}"),
     ("dtype", "bf16", lambda v: f"--dtype {v}"),

@@ -19,16 +19,19 @@ class Settings:
     fuse: bool = True  # let implementations absorb adjacent boundaries
     cp: int = 1  # context-parallel size: the sequence sharded over cp ranks outside attention
     cp_comm_type: str = "auto"  # attention over CP: p2p (ring) | all_gather | auto (the cost model)
+    ep: int = 1  # expert-model-parallel size: the experts split over ep of the data-parallel ranks
 
     def describe(self) -> str:
         cp = f" cp={self.cp} cp_comm_type={self.cp_comm_type}" if self.cp > 1 else ""
+        cp += f" ep={self.ep}" if self.ep > 1 else ""
         return (f"tp={self.tp}{cp} sp={'on' if self.sp else 'off'} backend={self.backend} "
                 f"micro_batch_size={self.micro_batch_size} dtype={self.dtype} fuse={'on' if self.fuse else 'off'}")
 
     def as_dict(self) -> dict:
         """The settings as plain data (a generated folder's SETTINGS), in a fixed key order."""
         return {"tp": self.tp, "sp": self.sp, "backend": self.backend, "micro_batch_size": self.micro_batch_size,
-                "dtype": self.dtype, "fuse": self.fuse, "cp": self.cp, "cp_comm_type": self.cp_comm_type}
+                "dtype": self.dtype, "fuse": self.fuse, "cp": self.cp, "cp_comm_type": self.cp_comm_type,
+                **({"ep": self.ep} if self.ep > 1 else {})}  # absent at 1: earlier folders read the same
 
 
 @dataclass
