@@ -106,6 +106,7 @@ def cmd_verify(args) -> int:
         raise SpecError(Loc(f"--tolerance {args.tolerance}"), "must be a positive number")
     tps = _int_list(args.tp_list, "--tp")
     cps = _int_list(args.cp_list, "--cp")
+    eps = _int_list(args.ep_list, "--ep")
     comms = {"auto": ["auto"], "p2p": ["p2p"], "all_gather": ["all_gather"], "both": ["p2p", "all_gather"]}[
         args.cp_comm_mode]
     sps = {"on": [True], "off": [False], "both": [False, True]}[args.sp_mode]
@@ -114,11 +115,15 @@ def cmd_verify(args) -> int:
     from .frontend.model import Settings
     from .pipeline import load_and_compile
 
+    if max(eps) > 1 and max(cps) > 1:
+        raise SpecError(Loc("--ep"), "expert parallelism with context parallelism is not supported yet",
+                        "check --ep and --cp in separate runs")
     for cp in cps:  # a bad spec or setting fails here, in one line, before any rank starts
         for tp in tps:
-            for sp in sps if tp > 1 else [False]:
-                load_and_compile(args.spec, Settings(tp=tp, sp=sp, cp=cp, micro_batch_size=args.batch, dtype="fp32"),
-                                 located)
+            for ep in eps:
+                for sp in sps if tp > 1 else [False]:
+                    load_and_compile(args.spec, Settings(tp=tp, sp=sp, cp=cp, micro_batch_size=args.batch,
+                                                         dtype="fp32", ep=ep), located)
     from specc_torch.verify import MUTATIONS, RankFailure, VerifyConfig, format_table, verify  # imports torch: only now
 
     if args.mutate is not None and args.mutate not in MUTATIONS:
@@ -129,8 +134,10 @@ def cmd_verify(args) -> int:
     cfg = VerifyConfig(spec=args.spec, tps=sorted(set([1] + tps)), sps=sps, steps=args.steps, seed=args.seed,
                        batch=args.batch, overrides=overrides, tolerance=args.tolerance, mutate=args.mutate,
                        tp_invariant_dropout=args.tp_invariant_dropout, cps=sorted(set([1] + cps)), cp_comm_types=comms,
-                       torch_compile=args.torch_compile_backend if args.torch_compile else None)
+                       torch_compile=args.torch_compile_backend if args.torch_compile else None,
+                       eps=sorted(set([1] + eps)))
     cp_text = f", cp {','.join(map(str, cfg.cps))} ({args.cp_comm_mode})" if max(cfg.cps) > 1 else ""
+    cp_text += f", ep {','.join(map(str, cfg.eps))}" if max(cfg.eps) > 1 else ""
     print(f"specc verify {args.spec}: tp {','.join(map(str, cfg.tps))}{cp_text}, sp {args.sp_mode}, {cfg.steps} steps, "
           f"batch {cfg.batch}, seed {cfg.seed}" + (f", MUTATION {cfg.mutate}" if cfg.mutate else "") +
           (f", torch.compile ({cfg.torch_compile}) against the eager reference" if cfg.torch_compile else ""), flush=True)
@@ -215,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context-parallel sizes to check, each with every TP size (default 1)")
     c.add_argument("--cp-comm-type", dest="cp_comm_mode", choices=("auto", "p2p", "all_gather", "both"),
                    default="both", help="attention over CP: the cost model's choice, one, or both (default both)")
+    c.add_argument("--ep", "--expert-model-parallel-size", dest="ep_list", default="1", metavar="N,N",
+                   help="expert-parallel sizes to check, each with every TP size it fits beside (default 1); "
+                        "with EP > 1 every data-parallel rank gets its own batches")
     c.add_argument("--steps", type=int, default=2, metavar="K", help="optimizer steps compared (default 2)")
     c.add_argument("--seed", type=int, default=1234)
     c.add_argument("--batch", type=int, default=2, metavar="B", help="micro-batch size (default 2)")

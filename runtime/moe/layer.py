@@ -88,6 +88,15 @@ def aux_losses(model: nn.Module) -> dict:
     return out
 
 
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Scale the auxiliary losses' gradient as the LM loss's is scaled: with gradients accumulated
+    over M micro-batches, each backward of loss / M must give the auxiliary losses 1 / M too
+    (Megatron's MoEAuxLossAutoScaler.set_loss_scale)."""
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.aux_loss_scale = float(scale)
+
+
 def update_expert_biases(model: nn.Module, dp: Group) -> None:
     """After the optimizer step: move every bias-balanced router's expert bias (DeepSeek-V3)."""
     for module in model.modules():

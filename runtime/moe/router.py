@@ -65,6 +65,9 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
         self.last_losses: dict = {}  # this rank's part of the auxiliary losses of the last forward
+        # the gradient the auxiliary losses get, as the LM loss's is scaled (1/micro-batches when
+        # gradients are accumulated): set by runtime.moe.set_aux_loss_scale
+        self.aux_loss_scale = 1.0
 
     def uses_aux_loss(self) -> bool:
         return self.load_balancing_type == "aux_loss" and self.aux_loss_coeff > 0
@@ -102,7 +105,7 @@ class TopKRouter(nn.Module):
             aux = z if aux is None else aux + z
         if aux is not None and torch.is_grad_enabled():
             # each TP rank holds the same tokens and the router's gradient is summed over TP
-            weights = _AttachAuxLoss.apply(weights, aux, 1.0 / self.tp.size)
+            weights = _AttachAuxLoss.apply(weights, aux, self.aux_loss_scale / self.tp.size)
         return weights, expert_ids, kept
 
     def _capacity_mask(self, scores, expert_ids):

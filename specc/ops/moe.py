@@ -140,7 +140,7 @@ class MoE(OpKind):
         local = a["num_experts"] // ep
         text = f"{node.attr_name}: {local} of {a['num_experts']} experts on this rank, top-{a['topk']}"
         if ep > 1:
-            text += (f"; dispatches tokens to the experts' ranks and back with all-to-alls over ep "
+            text += ("; dispatches tokens to the experts' ranks and back with all-to-alls over ep "
                      "(forward: counts, tokens, combine; backward: 2)")
         if not a["capacity_factor"]:
             text += "; dropless"
