@@ -23,8 +23,8 @@ TOL = 1e-4
 
 
 def hf_config(family: str):
-    common = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, max_position_embeddings=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    common = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=4, max_position_embeddings=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if family == "mixtral":
         from transformers import MixtralConfig
 
