@@ -18,11 +18,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m specc validate specs/*.yaml
 	$(BIN)/python -m specc compile specs/gpt-tiny.yaml --tp 2 --sp -o runs/demo
-	$(BIN)/python -m specc data prepare --stdlib --tokenizer byte --output runs/demo/data
+	$(BIN)/python -m specc data prepare --stdlib --tokenizer byte --output-prefix runs/demo/data/stdlib_text_document
 	$(BIN)/python -m specc train specs/gpt-tiny.yaml --nproc-per-node 2 \
 		--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 16 --global-batch-size 32 \
 		--train-iters 300 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 20 --lr-decay-style cosine \
-		--eval-interval 100 --eval-iters 4 --log-interval 25 --data-path runs/demo/data --run-dir runs/demo
+		--eval-interval 100 --eval-iters 4 --log-interval 25 --data-path runs/demo/data/stdlib_text_document --run-dir runs/demo
 	$(BIN)/python -m specc plot runs/demo
 
 # The linter and `specc check` first (fast; stale generated files fail), then the suite.

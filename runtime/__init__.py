@@ -29,6 +29,7 @@ from .mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from .moe import MoELayer
 from .parallel_state import Group, ProcessGroups
 from .random import RNGTracker
 from .te import TEColumnParallelLinear, TELayerNorm, TERMSNorm, TERowParallelLinear
@@ -78,6 +79,7 @@ __all__ = [
     "partial_grad_axes",
     "is_tp_partial_grad",
     "finalize_model_grads",
+    "MoELayer",
 ]
 
 # Checkpoints (runtime.checkpoint), imported on first use: torch.distributed.checkpoint alone

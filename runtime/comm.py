@@ -32,7 +32,7 @@ def _reduce_scatter(out, inp, **kwargs):
 
 @dataclass(frozen=True)
 class CommRecord:
-    kind: str  # "all_reduce" | "all_gather" | "reduce_scatter" | "send" | "recv"
+    kind: str  # "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" | "send" | "recv"
     group: str  # Group.name
     bytes: int  # per rank, see CommCounter
 
@@ -41,7 +41,8 @@ class CommCounter:
     """Records every collective issued while it is active.
 
     bytes per rank: all_reduce counts its input, all_gather its output (the gathered
-    tensor), reduce_scatter its input (the full tensor); a point-to-point exchange
+    tensor), reduce_scatter its input (the full tensor), all_to_all the tensor it sends (with
+    uneven splits, what this rank sends; the part kept for itself included); a point-to-point exchange
     (send_recv) records one "send" with the sent tensor and one "recv" with the
     received tensor, each on the rank that issues it.
 
@@ -116,6 +117,25 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group, as
     _check_contiguous(inp, "reduce_scatter input")
     CommCounter._record("reduce_scatter", group, inp)
     return _reduce_scatter(out, inp, group=group.group, async_op=async_op)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, output_split_sizes=None,
+               input_split_sizes=None, async_op: bool = False):
+    """Rank r sends dim-0 chunk j of `inp` to rank j and receives chunk r of every rank into
+    `out`, in rank order; split sizes (rows, one per rank) make the chunks uneven (token
+    dispatch). Equal chunks when they are None."""
+    if group.size == 1:
+        _copy_if_distinct(out, inp)
+        return None
+    for sizes, t, what in ((input_split_sizes, inp, "input"), (output_split_sizes, out, "output")):
+        if sizes is not None and (len(sizes) != group.size or sum(sizes) != t.shape[0]):
+            raise ValueError(f"all_to_all {what} splits {list(sizes)} do not cut {t.shape[0]} rows into "
+                             f"{group.size} parts (group {group.name!r})")
+    _check_contiguous(out, "all_to_all output")
+    _check_contiguous(inp, "all_to_all input")
+    CommCounter._record("all_to_all", group, inp)
+    return dist.all_to_all_single(out, inp, output_split_sizes=output_split_sizes,
+                                  input_split_sizes=input_split_sizes, group=group.group, async_op=async_op)
 
 
 def send_recv(send_tensor: torch.Tensor | None, dst: int | None, recv_tensor: torch.Tensor | None,

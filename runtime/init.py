@@ -28,6 +28,10 @@ class ParamInit:
     segments: tuple[int, ...]  # full sizes along shard_dim, each sharded on its own
     tp_rank: int
     tp_size: int
+    # expert parallelism: the experts (dim expert_dim) split in contiguous blocks over the ep ranks
+    expert_dim: int | None = None
+    ep_rank: int = 0
+    ep_size: int = 1
 
     def __post_init__(self):
         if self.kind not in _KINDS:
@@ -46,10 +50,11 @@ class ParamInit:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        if self.shard_dim is None:
-            return self.full_shape
         shape = list(self.full_shape)
-        shape[self.shard_dim] //= self.tp_size
+        if self.shard_dim is not None:
+            shape[self.shard_dim] //= self.tp_size
+        if self.expert_dim is not None:
+            shape[self.expert_dim] //= self.ep_size
         return tuple(shape)
 
 
@@ -62,9 +67,13 @@ def tag_parameter(
     full_shape=None,
     shard_dim: int | None = None,
     segments=None,
+    ep: Group | None = None,
+    expert_dim: int | None = None,
 ) -> torch.nn.Parameter:
-    """Attach init metadata; full_shape defaults to p's shape (a replicated parameter)."""
+    """Attach init metadata; full_shape defaults to p's shape (a replicated parameter). An expert
+    weight names its expert dim: the full tensor holds every expert, and ep's rank keeps its block."""
     tp = tp or Group.single("tp")
+    ep = ep or Group.single("ep")
     full_shape = tuple(full_shape if full_shape is not None else p.shape)
     if shard_dim is not None and segments is None:
         segments = (full_shape[shard_dim],)
@@ -76,7 +85,12 @@ def tag_parameter(
         segments=tuple(segments or ()),
         tp_rank=tp.rank if shard_dim is not None else 0,
         tp_size=tp.size if shard_dim is not None else 1,
+        expert_dim=expert_dim,
+        ep_rank=ep.rank if expert_dim is not None else 0,
+        ep_size=ep.size if expert_dim is not None else 1,
     )
+    if expert_dim is not None and full_shape[expert_dim] % ep.size:
+        raise ValueError(f"{full_shape[expert_dim]} experts are not divisible by the expert-parallel size {ep.size}")
     if meta.local_shape != tuple(p.shape):
         raise ValueError(f"parameter shape {tuple(p.shape)} does not match its local shape {meta.local_shape}")
     p._specc_init = meta
@@ -101,7 +115,10 @@ def full_init_tensor(meta: ParamInit, seed: int, name: str) -> torch.Tensor:
 
 
 def local_slice(full: torch.Tensor, meta: ParamInit) -> torch.Tensor:
-    """This rank's shard of a full tensor: each segment's rank-slice, concatenated."""
+    """This rank's shard of a full tensor: its block of experts, then each segment's rank-slice,
+    concatenated."""
+    if meta.expert_dim is not None:
+        full = full.chunk(meta.ep_size, dim=meta.expert_dim)[meta.ep_rank]
     if meta.shard_dim is None:
         return full
     pieces = []
@@ -183,9 +200,20 @@ def randomize_parameters(model: torch.nn.Module, seed: int) -> None:
             p.copy_(local_slice(randomized_full_tensor(meta, seed, init_name(name, p)), meta).to(p.dtype))
 
 
-def gather_full(tensor: torch.Tensor, p: torch.nn.Parameter, tp: Group) -> torch.Tensor:
-    """All-gather `tensor` (p itself, or p.grad) from its shards to p's full shape."""
+def gather_full(tensor: torch.Tensor, p: torch.nn.Parameter, tp: Group, ep: Group | None = None) -> torch.Tensor:
+    """All-gather `tensor` (p itself, or p.grad) from its shards to p's full shape (an expert
+    weight also over the expert-parallel group `ep`)."""
     meta = _meta(p)
+    if meta.expert_dim is not None and meta.ep_size > 1:
+        if ep is None or ep.size != meta.ep_size:
+            raise ValueError(f"expert parameter was split over {meta.ep_size} expert-parallel ranks; pass that group")
+        with torch.no_grad():
+            local = _gather_tp(tensor, meta, tp).movedim(meta.expert_dim, 0).contiguous()
+            return mappings.gather_dim0(local, ep).movedim(0, meta.expert_dim).contiguous()
+    return _gather_tp(tensor, meta, tp)
+
+
+def _gather_tp(tensor: torch.Tensor, meta: ParamInit, tp: Group) -> torch.Tensor:
     if meta.shard_dim is None:
         return tensor.detach().clone()
     if meta.tp_size != tp.size:
@@ -201,9 +229,9 @@ def gather_full(tensor: torch.Tensor, p: torch.nn.Parameter, tp: Group) -> torch
         return torch.cat(segments, dim=0).movedim(0, dim).contiguous()
 
 
-def full_parameter(p: torch.nn.Parameter, group: Group) -> torch.Tensor:
+def full_parameter(p: torch.nn.Parameter, group: Group, ep: Group | None = None) -> torch.Tensor:
     """The full (unsharded) value of a possibly sharded parameter."""
-    return gather_full(p, p, group)
+    return gather_full(p, p, group, ep)
 
 
 def _meta(p: torch.nn.Parameter) -> ParamInit:

@@ -4,6 +4,11 @@ Rank order follows Megatron: tensor-parallel ranks are innermost (adjacent globa
 ranks, which share a node's fast links), then context, then data, then pipeline:
 
     global_rank = tp_r + tp * (cp_r + cp * (dp_r + dp * pp_r))
+
+Expert parallelism reuses the data-parallel ranks, as in Megatron: an expert-parallel group of
+size ep is carved out of each data-parallel group (dp ranks dp_r with the same dp_r // ep), and
+the ranks that hold the same experts form the expert-data-parallel group (dp_r % ep fixed, size
+dp / ep), over which the expert parameters' gradients are reduced.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class ProcessGroups:
     pp: Group
     world_size: int
     rank: int
+    ep: Group = field(default_factory=lambda: Group.single("ep"))  # expert-parallel (within dp)
+    edp: Group = field(default_factory=lambda: Group.single("edp"))  # expert-data-parallel
     # Megatron's embedding group: the first and the last pipeline stage of one (tp, cp, dp) position,
     # which sum the gradients of the weight they share (a tied word embedding / output layer)
     embd: Group = field(default_factory=lambda: Group.single("embd"))
@@ -65,7 +72,7 @@ class ProcessGroups:
         )
 
     @classmethod
-    def initialize(cls, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None) -> ProcessGroups:
+    def initialize(cls, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, ep: int = 1) -> ProcessGroups:
         """Build every group of the (tp, cp, dp, pp) grid; collective over the world.
 
         Every rank calls dist.new_group for every group (of size > 1) in the same
@@ -80,6 +87,9 @@ class ProcessGroups:
         world, rank = dist.get_world_size(), dist.get_rank()
         sizes = _axis_sizes(world, tp=tp, cp=cp, pp=pp, dp=dp)
         coords = _coords(rank, sizes)
+        if not isinstance(ep, int) or ep < 1 or sizes["dp"] % ep:
+            raise ValueError(f"expert-model-parallel size {ep!r} must divide the data-parallel size {sizes['dp']} "
+                             f"(expert parallelism is carved out of the data-parallel ranks)")
         groups: dict[str, Group] = {}
         created = []
         for axis in _AXES:
@@ -91,6 +101,15 @@ class ProcessGroups:
                     groups[axis] = Group(
                         size=sizes[axis], rank=coords[axis], group=handle, ranks=ranks, name=axis
                     )
+        for name, size in (("ep", ep), ("edp", sizes["dp"] // ep)):
+            for dp_ranks in _expert_dp_rank_lists(sizes["dp"], ep, name):
+                for ranks in _axis_rank_lists("dp", sizes):
+                    ranks = tuple(ranks[d] for d in dp_ranks)
+                    handle = dist.new_group(list(ranks)) if size > 1 else None
+                    if handle is not None:
+                        created.append(handle)
+                    if rank in ranks:
+                        groups[name] = Group(size=size, rank=ranks.index(rank), group=handle, ranks=ranks, name=name)
         if sizes["pp"] > 1:
             for ranks in _axis_rank_lists("pp", sizes):
                 ends = (ranks[0], ranks[-1])
@@ -104,6 +123,14 @@ class ProcessGroups:
         """Destroy the groups initialize() created; safe to call twice."""
         while self._created:
             dist.destroy_process_group(self._created.pop())
+
+
+def _expert_dp_rank_lists(dp: int, ep: int, name: str) -> list:
+    """Positions within a data-parallel group of each expert-parallel group (consecutive dp ranks)
+    or each expert-data-parallel group (dp ranks ep apart)."""
+    if name == "ep":
+        return [tuple(j * ep + i for i in range(ep)) for j in range(dp // ep)]
+    return [tuple(i + j * ep for j in range(dp // ep)) for i in range(ep)]
 
 
 def _axis_sizes(world: int, *, tp: int, cp: int, pp: int, dp: int | None) -> dict[str, int]:

@@ -110,6 +110,10 @@ def spec_flags(p: argparse.ArgumentParser, sp_default=False) -> None:
                    help="context-parallel size: the sequence sharded over N ranks in load-balanced chunks (default 1)")
     g.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("auto", "p2p", "all_gather"), default="auto",
                    help="attention over the context-parallel group: p2p (ring), all_gather, or auto (the cost model)")
+    g.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1, metavar="N",
+                   help="expert-parallel size: the MoE experts split over N of the data-parallel ranks (default 1)")
+    g.add_argument("--expert-tensor-parallel-size", dest="etp", type=int, default=None, metavar="N",
+                   help="tensor parallelism inside each expert: equals --tensor-model-parallel-size here")
     pipeline_flags(g)
     g.add_argument("--backend", choices=("auto", "native", "te"), default="auto",
                    help="implementation for ops that say impl: auto (default auto: TransformerEngine where installed)")
@@ -154,6 +158,7 @@ def settings_from(args):
     if args.cp_comm_type != "auto" and args.cp == 1:
         raise SpecError(Loc("--cp-comm-type"), "has no effect without context parallelism",
                         "add --context-parallel-size N, or drop --cp-comm-type")
+    check_expert_parallel(args)
     from .passes.pipeline import check_pipeline_flags
 
     check_pipeline_flags(args.pp, args.pp_virtual_stage_layers, args.pp_first_stage_layers,
@@ -162,7 +167,21 @@ def settings_from(args):
                     micro_batch_size=args.micro_batch_size, dtype=args.dtype, fuse=args.fuse, cp=args.cp,
                     cp_comm_type=args.cp_comm_type, pp=args.pp, pp_virtual_stage_layers=args.pp_virtual_stage_layers,
                     pp_first_stage_layers=args.pp_first_stage_layers, pp_last_stage_layers=args.pp_last_stage_layers,
-                    pp_layout=args.pp_layout)
+                    pp_layout=args.pp_layout, ep=getattr(args, "ep", 1))
+
+
+def check_expert_parallel(args) -> None:
+    """--expert-model-parallel-size and --expert-tensor-parallel-size: one-line errors."""
+    ep, etp = getattr(args, "ep", 1), getattr(args, "etp", None)
+    if ep < 1:
+        raise SpecError(Loc("--expert-model-parallel-size"), f"must be at least 1, got {ep}")
+    if ep > 1 and args.cp > 1:
+        raise SpecError(Loc("--expert-model-parallel-size"), "expert parallelism with context parallelism is not "
+                        "supported yet", "use --context-parallel-size 1 with expert parallelism")
+    if etp is not None and etp != args.tp:
+        raise SpecError(Loc("--expert-tensor-parallel-size"), f"{etp} differs from the tensor-model-parallel size "
+                        f"{args.tp}: experts are sharded over the tensor-parallel ranks",
+                        f"drop it, or give --expert-tensor-parallel-size {args.tp}")
 
 
 def overrides_from(args) -> list:

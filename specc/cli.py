@@ -106,6 +106,7 @@ def cmd_verify(args) -> int:
         raise SpecError(Loc(f"--tolerance {args.tolerance}"), "must be a positive number")
     tps = _int_list(args.tp_list, "--tp")
     cps = _int_list(args.cp_list, "--cp")
+    eps = _int_list(args.ep_list, "--ep")
     pps = _int_list(args.pp_list, "--pp")
     dps = _int_list(args.dp_list, "--dp")
     virtual = [None] if args.vpp_list is None else _int_list(args.vpp_list, "--num-layers-per-virtual-pipeline-stage")
@@ -117,11 +118,16 @@ def cmd_verify(args) -> int:
     from .frontend.model import Settings
     from .pipeline import load_and_compile
 
+    if max(eps) > 1 and max(cps) > 1:
+        raise SpecError(Loc("--ep"), "expert parallelism with context parallelism is not supported yet",
+                        "check --ep and --cp in separate runs")
     for cp in cps:  # a bad spec or setting fails here, in one line, before any rank starts
         for tp in tps:
+            for ep in eps:
+                for sp in sps if tp > 1 else [False]:
+                    load_and_compile(args.spec, Settings(tp=tp, sp=sp, cp=cp, micro_batch_size=args.batch,
+                                                         dtype="fp32", ep=ep), located)
             for sp in sps if tp > 1 else [False]:
-                load_and_compile(args.spec, Settings(tp=tp, sp=sp, cp=cp, micro_batch_size=args.batch, dtype="fp32"),
-                                 located)
                 for pp in [x for x in pps if x > 1]:
                     for v in virtual:
                         load_and_compile(args.spec, Settings(tp=tp, sp=sp, cp=cp, pp=pp, pp_virtual_stage_layers=v,
@@ -152,8 +158,10 @@ def cmd_verify(args) -> int:
                        batch=args.batch, overrides=overrides, tolerance=args.tolerance, mutate=args.mutate,
                        tp_invariant_dropout=args.tp_invariant_dropout, cps=sorted(set([1] + cps)), cp_comm_types=comms,
                        torch_compile=args.torch_compile_backend if args.torch_compile else None,
+                       eps=sorted(set([1] + eps)),
                        pps=sorted(set(pps)), pp_virtual=virtual, dps=sorted(set(dps)), pp_schedule=args.pp_schedule)
     cp_text = f", cp {','.join(map(str, cfg.cps))} ({args.cp_comm_mode})" if max(cfg.cps) > 1 else ""
+    cp_text += f", ep {','.join(map(str, cfg.eps))}" if max(cfg.eps) > 1 else ""
     if max(pps) > 1:
         cp_text += f", pp {','.join(map(str, cfg.pps))}" + (f" (vpp {args.vpp_list})" if args.vpp_list else "") + \
             (f", dp {','.join(map(str, cfg.dps))}" if max(dps) > 1 else "")
@@ -241,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context-parallel sizes to check, each with every TP size (default 1)")
     c.add_argument("--cp-comm-type", dest="cp_comm_mode", choices=("auto", "p2p", "all_gather", "both"),
                    default="both", help="attention over CP: the cost model's choice, one, or both (default both)")
+    c.add_argument("--ep", "--expert-model-parallel-size", dest="ep_list", default="1", metavar="N,N",
+                   help="expert-parallel sizes to check, each with every TP size it fits beside (default 1); "
+                        "with EP > 1 every data-parallel rank gets its own batches")
     c.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp_list", default="1", metavar="N,N",
                    help="pipeline sizes to check, each with every TP/CP setting (default 1)")
     c.add_argument("--num-layers-per-virtual-pipeline-stage", dest="vpp_list", default=None, metavar="N,N",

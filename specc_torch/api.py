@@ -28,18 +28,19 @@ def compile_source(spec_path: str, tp: int, sp: bool = False, backend: str = "au
                    micro_batch_size: int = 1, dtype: str = "fp32", fuse: bool = True, cp: int = 1,
                    cp_comm_type: str = "auto", pp: int = 1, pp_virtual_stage_layers: int | None = None,
                    pp_first_stage_layers: int | None = None, pp_last_stage_layers: int | None = None,
-                   pp_layout: str | None = None):
+                   pp_layout: str | None = None, ep: int = 1):
     """(model.py source, spec, graph) for a spec at these settings, compiled in memory."""
     settings = Settings(tp=tp, sp=sp and tp > 1, backend=backend, micro_batch_size=micro_batch_size, dtype=dtype,
                         fuse=fuse, cp=cp, cp_comm_type=cp_comm_type if cp > 1 else "auto", pp=pp,
                         pp_virtual_stage_layers=pp_virtual_stage_layers, pp_first_stage_layers=pp_first_stage_layers,
-                        pp_last_stage_layers=pp_last_stage_layers, pp_layout=pp_layout)
+                        pp_last_stage_layers=pp_last_stage_layers, pp_layout=pp_layout, ep=ep)
     located = [(k, v, Loc(f"--set {k}={v}")) for k, v in dict(overrides).items()]
     spec, graph = load_and_compile(spec_path, settings, located)
     command = f"specc compile {spec_path} --tp {tp}" + (" --sp" if settings.sp else "") + (
         f" --cp {cp}" if cp > 1 else "") + (f" --cp-comm-type {settings.cp_comm_type}" if settings.cp_comm_type != "auto" else "") \
         + (f" --pp {pp}" if pp > 1 else "") + (f" --num-layers-per-virtual-pipeline-stage {pp_virtual_stage_layers}"
-                                               if pp_virtual_stage_layers else "")
+                                               if pp_virtual_stage_layers else "") + (
+        f" --ep {ep}" if ep > 1 else "")
     return emit_model(graph, command), spec, graph
 
 
@@ -51,6 +52,7 @@ def build_model(source: str, pg: ProcessGroups | None = None, seed: int = 1234, 
         module = load_generated(source)
     else:
         compile_kwargs.setdefault("cp", pg.cp.size)
+        compile_kwargs.setdefault("ep", pg.ep.size)
         text, spec, _ = compile_source(source, pg.tp.size, sp, **compile_kwargs)
         module = load_module_from_source(text, spec.name)
     return module.build_model(pg, seed=seed, rng_tracker=rng_tracker)

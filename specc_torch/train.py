@@ -12,7 +12,18 @@ import subprocess
 import sys
 
 from runtime.compile import repeated_layers
-from runtime.data import DataError, IndexedTokens, build_datasets, prepare, stdlib_files
+from runtime.data import (
+    DataError,
+    build_datasets,
+    build_tokenizer,
+    open_corpora,
+    parse_blend,
+    prepare,
+    read_sidecar,
+    split_documents,
+    stdlib_files,
+    vocab_size_with_padding,
+)
 from runtime.train.config import (
     CheckpointConfig,
     DataConfig,
@@ -57,7 +68,7 @@ def config_from_args(args) -> TrainConfig:
                                   bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce),
         schedule=ScheduleConfig(lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
                                 lr_decay_iters=args.lr_decay_iters),
-        data=DataConfig(data_path=args.data_path, split=args.split),
+        data=data_config_from_args(args),
         checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                                     keep_last=args.keep_last,
                                     allow_spec_change=args.allow_spec_change),
@@ -67,6 +78,16 @@ def config_from_args(args) -> TrainConfig:
         train_iters=args.train_iters, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         bf16=args.bf16, seed=args.seed, device=args.device,
         torch_compile=args.torch_compile_backend if args.torch_compile else None)
+
+
+def data_config_from_args(args) -> DataConfig:
+    paths = args.data_path
+    return DataConfig(data_path=paths[0] if paths and len(paths) == 1 else paths, split=args.split,
+                      mock_data=args.mock_data, tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                      merge_file=args.merge_file, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+                      tiktoken_pattern=args.tiktoken_pattern,
+                      tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
 
 
 def config_from_dict(d: dict) -> TrainConfig:
@@ -88,7 +109,10 @@ def _spec_stem(path: str) -> str:
 def compile_model(cfg: TrainConfig):
     """(generated source, spec) for the configured spec at the configured parallel settings: what
     runtime.train.setup_model_and_optimizer builds the model from."""
-    source, spec, _ = compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=cfg.overrides,
+    overrides = dict(cfg.overrides)
+    if cfg.data.padded_vocab_size is not None and "vocab_size" not in overrides:
+        overrides["vocab_size"] = cfg.data.padded_vocab_size  # the tokenizer's, padded (tokenizer_rules)
+    source, spec, _ = compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=overrides,
                                      micro_batch_size=cfg.micro_batch_size,
                                      dtype="bf16" if cfg.bf16 else "fp32", cp=cfg.parallel.cp,
                                      cp_comm_type=cfg.parallel.cp_comm_type, pp=cfg.parallel.pp,
@@ -109,9 +133,12 @@ def check(cfg: TrainConfig, world_size: int):
         raise ConfigError(errors)
     if not os.path.isfile(cfg.spec):
         raise ConfigError([f"{cfg.spec}: no such spec file"])
+    errors = tokenizer_rules(cfg)
+    if errors:
+        raise ConfigError(errors)
     _, spec = compile_model(cfg)
     errors = model_rules(cfg, spec.config)
-    if cfg.data.data_path is not None:
+    if (cfg.data.data_path is not None or cfg.data.mock_data) and not errors:
         errors += data_rules(cfg, spec.config)
     if cfg.checkpoint.load is not None and not os.path.isdir(cfg.checkpoint.load):
         errors.append(f"--load {cfg.checkpoint.load}: no such directory")
@@ -175,43 +202,92 @@ def _checkpoint_rules(load: str) -> list:
     return []
 
 
+def tokenizer_rules(cfg: TrainConfig) -> list:
+    """--tokenizer-type: build it (its files, its library) and derive the model's vocabulary, the
+    tokenizer's padded as Megatron's --make-vocab-size-divisible-by x TP (cfg.data.padded_vocab_size,
+    which compile_model sets as vocab_size unless --set vocab_size= gives one)."""
+    data = cfg.data
+    if data.tokenizer_type is None:
+        return []
+    tok = build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
+                          tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size,
+                          tiktoken_pattern=data.tiktoken_pattern,
+                          tiktoken_num_special_tokens=data.tiktoken_num_special_tokens)
+    data.padded_vocab_size = vocab_size_with_padding(tok.vocab_size, data.make_vocab_size_divisible_by,
+                                                     cfg.parallel.tp)
+    given = cfg.overrides.get("vocab_size")
+    if isinstance(given, int) and given < tok.vocab_size:
+        return [f"--set vocab_size={given} is smaller than the {data.tokenizer_type} vocabulary ({tok.vocab_size}); "
+                f"drop it to use the padded {data.padded_vocab_size}"]
+    return []
+
+
+_ID_RANGES: dict = {}
+
+
+def _id_range(corpus):
+    """The dataset's (smallest, largest) token id, read once per process and file version."""
+    path = corpus.prefix + ".bin"
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key not in _ID_RANGES:
+        _ID_RANGES[key] = corpus.id_range()
+    return _ID_RANGES[key]
+
+
 def data_rules(cfg: TrainConfig, model_config: dict) -> list:
-    data = IndexedTokens(cfg.data.data_path)
-    errors = []
-    vocab = model_config.get("vocab_size")
-    if isinstance(vocab, int) and data.vocab_size > vocab:
-        errors.append(f"--data-path {cfg.data.data_path}: its tokenizer's vocabulary ({data.vocab_size}) is larger "
-                      f"than the model's vocab_size ({vocab}); set --set vocab_size={data.vocab_size} or more")
-    if isinstance(vocab, int) and not errors:  # the ids themselves: an id past the vocabulary fails mid-run
-        bad = data.first_token_outside(vocab)
-        if bad is not None:
-            position, token = bad
-            top = int(data.tokens.max())
-            errors.append(f"--data-path {cfg.data.data_path}: token id {token} at position {position} is outside the "
-                          f"model's vocabulary (0..{vocab - 1}); prepare the data with the model's tokenizer, or "
-                          f"--set vocab_size={top + 1} or more (its largest id is {top})")
+    """The data opens, every token id in it is inside the model's vocabulary (found now, not
+    mid-run), and the splits training reads hold a sample each."""
+    vocab = model_config["vocab_size"]
     seq = model_config["seq_length"]
-    sets = build_datasets(cfg.data.data_path, seq, cfg.seed, split_weights(cfg.data.split))
+    corpora = open_corpora(cfg.data.data_path, seq, cfg.seed, mock=cfg.data.mock_data, vocab_size=vocab)
+    errors = []
+    for _, corpus in corpora if not cfg.data.mock_data else ():
+        meta = read_sidecar(corpus.prefix)
+        if meta is not None and isinstance(meta.get("vocab_size"), int) and meta["vocab_size"] > vocab:
+            errors.append(f"--data-path {corpus.prefix}: its tokenizer's vocabulary ({meta['vocab_size']}) is larger "
+                          f"than the model's vocab_size ({vocab}); set --set vocab_size={meta['vocab_size']} or more, "
+                          "or give its --tokenizer-type")
+            continue
+        ids = _id_range(corpus)
+        if ids is not None and (ids[0] < 0 or ids[1] >= vocab):
+            bad = ids[0] if ids[0] < 0 else ids[1]
+            errors.append(f"--data-path {corpus.prefix}: {corpus.prefix}.bin holds token id {bad} "
+                          f"({'its smallest' if bad < 0 else 'its largest'}), outside the model's vocabulary of "
+                          f"{vocab} (ids 0..{vocab - 1}); prepare the data with the model's tokenizer, give its "
+                          f"--tokenizer-type, or --set vocab_size={ids[1] + 1} or more")
+    if errors:
+        return errors
+    weights = split_weights(cfg.data.split)
     needed = {"train": 1, "valid": 1 if cfg.eval_iters > 0 else 0}
-    for name, least in needed.items():
-        if len(sets[name]) < least:
-            lo, hi = sets[name].lo, sets[name].hi
-            errors.append(f"--data-path {cfg.data.data_path}: the {name} split (--split {cfg.data.split}) holds "
-                          f"{hi - lo} tokens, not one sample of --seq-length {seq} + 1"
-                          + ("; set --eval-iters 0 or give it a larger share" if name == "valid" else ""))
+    for _, corpus in corpora:
+        ranges = split_documents(corpus.num_documents, weights)
+        for name, least in needed.items():
+            first, end = ranges[name]
+            tokens = int(corpus.document_lengths[first:end].sum())
+            if least and (tokens - 1) // seq < least:
+                errors.append(f"--data-path {corpus.prefix}: the {name} split (--split {cfg.data.split}) holds "
+                              f"{end - first} of its {corpus.num_documents} documents, {tokens} tokens: not one "
+                              f"sample of --seq-length {seq} + 1"
+                              + ("; set --eval-iters 0 or give it a larger share" if name == "valid" else ""))
     return errors
 
 
+DEFAULT_DATA = os.path.join("data", "stdlib_text_document")
+
+
 def default_data(run_dir: str, log=None) -> str:
-    """The embedded corpus (the standard library's sources, byte tokenizer) in RUN_DIR/data,
-    prepared once and reused while the same files are there."""
-    path = os.path.join(run_dir, "data")
+    """The embedded corpus (the standard library's sources, byte tokenizer) at
+    RUN_DIR/data/stdlib_text_document.bin/.idx, prepared once and reused while the same files are there."""
+    path = os.path.join(run_dir, DEFAULT_DATA)
     files = stdlib_files()
+    meta = read_sidecar(path)
     try:
-        meta = IndexedTokens(path).meta
-        if meta["tokenizer"].get("type") == "byte" and [s["path"] for s in meta["sources"]] == files:
+        if meta is not None and meta["tokenizer"].get("type") == "byte" and \
+                [s["path"] for s in meta["sources"]] == files:
+            open_corpora(path, 1, 0)  # and the files are whole
             return path
-    except (DataError, KeyError, TypeError):
+    except (DataError, KeyError, TypeError, AttributeError):
         pass
     prepare(files, "byte", path, log=log)
     return path
@@ -244,7 +320,7 @@ def launch(args) -> int:
             raise ConfigError(launch_errors)
         world = args.nproc_per_node * args.nnodes
         check(cfg, world)
-        if cfg.data.data_path is None:
+        if cfg.data.data_path is None and not cfg.data.mock_data:
             cfg.data.data_path = default_data(cfg.logging.run_dir, log=lambda m: print(m, file=sys.stderr))
             check(cfg, world)
     except (ConfigError, SpecError, DataError) as e:
@@ -385,8 +461,8 @@ def run(cfg: TrainConfig, stream=None) -> int:
         else ProcessGroups.single()
     reporter = NullReporter()
     try:
-        if cfg.data.data_path is None:  # launched by hand without --data-path: one preparer per node
-            path = os.path.join(cfg.logging.run_dir, "data")
+        if cfg.data.data_path is None and not cfg.data.mock_data:  # by hand without --data-path: one preparer per node
+            path = os.path.join(cfg.logging.run_dir, DEFAULT_DATA)
             if local_rank == 0:
                 default_data(cfg.logging.run_dir, log=lambda m: print(m, file=sys.stderr) if rank == 0 else None)
             if world > 1:
@@ -398,7 +474,8 @@ def run(cfg: TrainConfig, stream=None) -> int:
                 return fail(e)
         setup = setup_model_and_optimizer(cfg, pg, device, compiled=compile_model(cfg))
         seq = setup.spec.config["seq_length"]
-        datasets = build_datasets(cfg.data.data_path, seq, cfg.seed, split_weights(cfg.data.split))
+        datasets = build_datasets(cfg.data.data_path, seq, cfg.seed, split_weights(cfg.data.split),
+                                  mock=cfg.data.mock_data, vocab_size=setup.spec.config["vocab_size"])
         append = bool(load and not weights_only) or restart > 0
         if rank == 0:  # a resumed run (or a restarted one) appends to its metrics; a new one starts afresh
             reporter = Reporter(cfg.logging.run_dir, cfg.train_iters, cfg.logging.log_interval,
@@ -514,8 +591,13 @@ def _report_setup(reporter, cfg: TrainConfig, setup, pg, datasets) -> None:
     kind = f"distributed over DP={pg.dp.size}" if opt.distributed else "replicated"
     reporter.info(f"optimizer state per rank (measured): {measured / 2**20:.3f} MiB, {kind}; a replicated optimizer "
                   f"holds {replicated / 2**20:.3f} MiB (ratio {measured / replicated:.3f}, 1/DP = {1 / pg.dp.size:.3f})")
-    reporter.info(f"data {cfg.data.data_path}: {len(datasets['train']):,} train and {len(datasets['valid']):,} "
-                  f"validation samples of {datasets['train'].seq_length} tokens")
+    source = "mock data (seeded random tokens)" if cfg.data.mock_data else " ".join(
+        (f"{w:g} {p}" if w is not None else p) for w, p in parse_blend(cfg.data.data_path))
+    vocab = setup.spec.config["vocab_size"]
+    padded = (f"; vocabulary {vocab} ({cfg.data.tokenizer_type}, padded to a multiple of "
+              f"{cfg.data.make_vocab_size_divisible_by} x TP {cfg.parallel.tp})") if cfg.data.padded_vocab_size else ""
+    reporter.info(f"data {source}: {len(datasets['train']):,} train and {len(datasets['valid']):,} validation samples "
+                  f"per epoch of {datasets['train'].seq_length} tokens{padded}")
 
 
 if __name__ == "__main__":

@@ -63,11 +63,19 @@ class VerifyConfig:
     cps: list = field(default_factory=lambda: [1])  # context-parallel sizes
     cp_comm_types: list = field(default_factory=lambda: ["auto"])  # attention over CP: p2p, all_gather, auto
     torch_compile: str | None = None  # a torch.compile backend for the checked models' layers (the reference is eager)
+    eps: list = field(default_factory=lambda: [1])  # expert-model-parallel sizes (carved out of the DP ranks)
+
     pps: list = field(default_factory=lambda: [1])  # pipeline sizes (each with every TP/CP setting)
     pp_virtual: list = field(default_factory=lambda: [None])  # layers per virtual stage (None: not interleaved)
     dps: list = field(default_factory=lambda: [1])  # data-parallel sizes of the pipeline settings
     pp_schedule: str | None = None  # runtime.pipeline.SCHEDULES; None: 1F1B, interleaved 1F1B with V > 1
     pp_settings: list | None = None  # explicit (pp, layers per virtual stage, tp, cp, sp) instead of every combination
+
+    @property
+    def data_parallel(self) -> bool:
+        """With expert parallelism every DP rank gets its own batches (the EP group's ranks must hold
+        different tokens for the all-to-alls to be tested), and gradients are averaged over DP."""
+        return max(self.eps) > 1
 
 
 @dataclass
@@ -105,9 +113,10 @@ def mutate_source(source: str, mutation: str):
 _TORCH_DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32, "act": torch.float32}
 
 
-def _data(cfg: VerifyConfig, inputs: list, step: int) -> list:
-    """One batch: a tensor per declared model input, in the forward's order."""
-    g = torch.Generator().manual_seed(cfg.seed * 1000 + step)
+def _data(cfg: VerifyConfig, inputs: list, step: int, dp_rank: int = 0) -> list:
+    """One batch: a tensor per declared model input, in the forward's order (data-parallel rank
+    `dp_rank`'s: each DP rank draws its own)."""
+    g = torch.Generator().manual_seed(cfg.seed * 1000 + step + 1_000_003 * dp_rank)
     out = []
     for _name, shape, dtype, high in inputs:
         if high is None:
@@ -235,8 +244,11 @@ def _capture(model, sites):
     return store, handles
 
 
-def _run(model, pg, cfg, inputs, logits_path, logits_site, sites):
-    """K training steps; what to compare, as full tensors on every rank."""
+def _run(model, pg, cfg, inputs, logits_path, logits_site, sites, dp_batches: int = 1):
+    """K training steps; what to compare, as full tensors on every rank. In data-parallel mode
+    (cfg.data_parallel) this rank trains on its DP rank's batches and the gradients are averaged
+    over DP (an expert weight's over its expert-data-parallel group, over which it is replicated);
+    the single-rank reference (`dp_batches` > 1) runs every DP rank's batch and averages alike."""
     captured = {}
     if logits_path:
         module = model.get_submodule(logits_path)
@@ -247,29 +259,80 @@ def _run(model, pg, cfg, inputs, logits_path, logits_site, sites):
     losses, grads, counts = [], None, None
     activations = {}
     for step in range(cfg.steps):
-        batch = _data(cfg, inputs, step)
-        store, handles = _capture(model, sites) if step == 0 else ({}, [])
-        with CommCounter() as counter:
-            loss = model(*batch)
-            for h in handles:
-                h.remove()
-            loss.mean().backward()
-            finalize_model_grads(model, pg)
+        if dp_batches > 1:
+            loss = _reference_step(model, cfg, inputs, step, dp_batches, sites, activations, captured)
+            counter = CommCounter()
+            store = {}
+        else:
+            batch = _data(cfg, inputs, step, pg.dp.rank if cfg.data_parallel else 0)
+            store, handles = _capture(model, sites) if step == 0 else ({}, [])
+            with CommCounter() as counter:
+                loss = model(*batch)
+                for h in handles:
+                    h.remove()
+                loss.mean().backward()
+                finalize_model_grads(model, pg)
+            if cfg.data_parallel:
+                _average_over_dp(model, pg)
+                loss = _gather_over_dp(loss, pg)
         layouts = dict(sites)
         for path, outs in store.items():
             activations[path] = [_full_activation(o, layouts[path], pg) for o in outs]
         if step == 0:
             counts = counter.totals()
-            grads = {n: gather_full(p.grad, p, pg.tp) for n, p in model.named_parameters()}
+            grads = {n: gather_full(p.grad, p, pg.tp, pg.ep) for n, p in model.named_parameters()}
             logits = captured.get("logits")
             if logits is not None:
                 logits = _full_activation(logits, logits_site, pg)
         losses.append(loss.detach().clone())
         opt.step()
         opt.zero_grad(set_to_none=True)
-    weights = {n: gather_full(p, p, pg.tp) for n, p in model.named_parameters()}
+    weights = {n: gather_full(p, p, pg.tp, pg.ep) for n, p in model.named_parameters()}
     return {"loss": torch.stack(losses), "logits": logits, "grads": grads, "weights": weights, "counts": counts,
             "activations": activations}
+
+
+def _reference_step(model, cfg, inputs, step, dp_batches, sites, activations, captured):
+    """One step of the single-rank reference over every DP rank's batch: the gradient of the mean
+    over DP of each batch's mean loss; the losses stacked as _gather_over_dp stacks them."""
+    from runtime.moe import set_aux_loss_scale
+
+    set_aux_loss_scale(model, 1.0 / dp_batches)  # each batch's auxiliary losses weigh as its LM loss
+    losses = []
+    for d in range(dp_batches):
+        store, handles = _capture(model, sites) if step == 0 and d == 0 else ({}, [])
+        loss = model(*_data(cfg, inputs, step, d))
+        for h in handles:
+            h.remove()
+        (loss.mean() / dp_batches).backward()
+        for path, outs in store.items():
+            activations[path] = [o.detach().clone() for o in outs]
+        if d == 0 and "logits" in captured:
+            captured["logits_0"] = captured["logits"]
+        losses.append(loss.detach())
+    if "logits_0" in captured:
+        captured["logits"] = captured.pop("logits_0")
+    return torch.cat(losses, dim=0)
+
+
+def _average_over_dp(model, pg) -> None:
+    """What DistributedDataParallel does to the gradients: the mean over the data-parallel ranks
+    (dense weights: sum over dp / dp; expert weights: sum over their expert-data-parallel group
+    / dp, since each EP rank's experts already hold the gradient of every token routed to them)."""
+    from runtime.comm import all_reduce
+    from runtime.moe import is_expert_param
+
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        all_reduce(p.grad, pg.edp if is_expert_param(p) else pg.dp)
+        p.grad /= pg.dp.size
+
+
+def _gather_over_dp(loss, pg):
+    from runtime.mappings import gather_dim0
+
+    return gather_dim0(loss.detach().contiguous(), pg.dp)
 
 
 def _compare(setting: str, ref: dict, got: dict, tol: float, atol: float) -> list:
@@ -400,19 +463,26 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
         return model
 
     refs = {}
-    for prefix, randomized in WEIGHTS:
-        ref_model = build(src, spec.name, single, randomized, checked=False)
-        refs[prefix] = _mask_losses(ref_model, cfg, inputs) if statistical else \
-            _run(ref_model, single, cfg, inputs, path, layout, _activation_sites(graph))
+
+    def reference(prefix, randomized, dp_batches):
+        """The TP=1 model's results over `dp_batches` DP ranks' batches (1 unless data-parallel)."""
+        if (prefix, dp_batches) not in refs:
+            ref_model = build(src, spec.name, single, randomized, checked=False)
+            refs[(prefix, dp_batches)] = _mask_losses(ref_model, cfg, inputs) if statistical else \
+                _run(ref_model, single, cfg, inputs, path, layout, _activation_sites(graph), dp_batches)
+        return refs[(prefix, dp_batches)]
+
     rows = []
-    for tp, cp, comm, sp in _settings(cfg):
+    world = dist.get_world_size()
+    for tp, cp, comm, sp, ep in _settings(cfg):
         setting = f"tp={tp}" + (f" cp={cp}" + (f" {comm}" if comm != "auto" else "") if cp > 1 else "") + \
-            f" sp={'on' if sp else 'off'}"
-        pg = ProcessGroups.initialize(tp=tp, cp=cp)
+            (f" ep={ep} dp={world // (tp * cp)}" if cfg.data_parallel else "") + f" sp={'on' if sp else 'off'}"
+        pg = ProcessGroups.initialize(tp=tp, cp=cp, ep=ep)
+        dp_batches = pg.dp.size if cfg.data_parallel else 1
         try:
             text, spec_t, graph_t = api.compile_source(cfg.spec, tp, sp, overrides=cfg.overrides,
-                                                       micro_batch_size=cfg.batch, cp=cp, cp_comm_type=comm)
-            if cfg.mutate and tp * cp > 1:
+                                                       micro_batch_size=cfg.batch, cp=cp, cp_comm_type=comm, ep=ep)
+            if cfg.mutate and tp * cp * ep > 1:
                 text, applied = mutate_source(text, cfg.mutate)
                 if not applied:
                     rows.append(Row(setting, f"mutation {cfg.mutate}", 0.0, 0.0, True, "nothing to break here; skipped"))
@@ -420,17 +490,22 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
             for prefix, randomized in WEIGHTS:
                 model = build(text, spec_t.name, pg, randomized)
                 if statistical:
-                    row = _statistical_row(setting, refs[prefix], _mask_losses(model, cfg, inputs))
+                    row = _statistical_row(setting, reference(prefix, randomized, 1), _mask_losses(model, cfg, inputs))
                     rows.append(replace(row, quantity=prefix + row.quantity))
                     continue
                 path_t, layout_t = _logits_module(graph_t)
                 got = _run(model, pg, cfg, inputs, path_t, layout_t, _activation_sites(graph_t))
                 rows += [replace(r, quantity=prefix + r.quantity)
-                         for r in _compare(setting, refs[prefix], got, cfg.tolerance, cfg.atol)]
+                         for r in _compare(setting, reference(prefix, randomized, dp_batches), got, cfg.tolerance,
+                                           cfg.atol)]
                 if randomized:
                     continue  # the collectives do not depend on the weights
                 plan = _plan_counts(graph_t)
                 measured = dict(sorted(got["counts"].items()))
+                if "all_to_all" in measured and "all_to_all" in plan:
+                    # how many tokens each expert gets depends on the routing: the plan's bytes are
+                    # those of uniform routing, so the all-to-alls are compared by count
+                    plan["all_to_all"] = (plan["all_to_all"][0], measured["all_to_all"][1])
                 ok = measured == dict(sorted(plan.items()))
                 rows.append(Row(setting, "collectives == plan", 0.0, 0.0, ok,
                                 _counts_text(measured) + ("" if ok else f"  (plan: {_counts_text(plan)})")))
@@ -570,24 +645,37 @@ def _compare_named(setting, label, ref: dict, got: dict, tol, atol) -> Row:
 
 
 def _settings(cfg: VerifyConfig) -> list:
-    """(tp, cp, cp comm type, sp) of every setting to check, in a fixed order."""
+    """(tp, cp, cp comm type, sp, ep) of every setting to check, in a fixed order. Expert
+    parallelism takes ep of the data-parallel ranks: a setting runs where tp * cp * ep ranks fit."""
     out = []
+    world = _world(cfg)
     for cp in cfg.cps:
         for comm in (cfg.cp_comm_types if cp > 1 else ["auto"]):
             for tp in cfg.tps:
-                for sp in (cfg.sps if tp > 1 else [False]):
-                    out.append((tp, cp, comm, sp))
+                for ep in cfg.eps:
+                    if ep > 1 and (cp > 1 or world % (tp * cp * ep)):
+                        continue
+                    for sp in (cfg.sps if tp > 1 else [False]):
+                        out.append((tp, cp, comm, sp, ep))
     return out
 
 
-def world_size(cfg: VerifyConfig) -> int:
-    """Ranks every setting can run on: the least common multiple of the TP x CP sizes."""
+def _world(cfg: VerifyConfig) -> int:
     world = 1
-    for tp, cp, _, _ in _settings(cfg):
-        world = math.lcm(world, tp * cp)
+    for cp in cfg.cps:
+        for tp in cfg.tps:
+            world = math.lcm(world, tp * cp)
+    for ep in cfg.eps:
+        world = math.lcm(world, ep)
     for pp, _, dp, tp, cp, _ in _pipeline_settings(cfg):
         world = math.lcm(world, pp * dp * tp * cp)
     return world
+
+
+def world_size(cfg: VerifyConfig) -> int:
+    """Ranks every setting can run on: the least common multiple of the TP x CP sizes and the EP
+    sizes (an EP size runs with each TP size whose product with it divides that)."""
+    return _world(cfg)
 
 
 def _counts_text(counts: dict) -> str:

@@ -52,6 +52,15 @@ def local_to_full(offsets, sizes, meta: ParamInit | None) -> list:
     """A block [offsets, offsets + sizes) of the LOCAL shard as blocks of the FULL tensor:
     [(local offsets, sizes, full offsets), ...] (split where it crosses segments)."""
     offsets, sizes = tuple(offsets), tuple(sizes)
+    out = _local_to_full_tp(offsets, sizes, meta)
+    if meta is not None and meta.expert_dim is not None and meta.ep_size > 1:
+        # this rank's experts are a contiguous block of the full expert dim
+        e, first = meta.expert_dim, meta.ep_rank * (meta.full_shape[meta.expert_dim] // meta.ep_size)
+        out = [(loc, size, full[:e] + (full[e] + first,) + full[e + 1:]) for loc, size, full in out]
+    return out
+
+
+def _local_to_full_tp(offsets, sizes, meta: ParamInit | None) -> list:
     if meta is None or meta.shard_dim is None:
         return [(offsets, sizes, offsets)]
     d = meta.shard_dim

@@ -1,14 +1,27 @@
-"""Data: `specc data prepare` (tokenize text into a memory-mapped token file with a document
-index) and the training samples (seeded fixed-length windows, split into train and valid,
-each data-parallel rank reading only its own samples)."""
+"""Data: Megatron's indexed datasets (PREFIX.bin/.idx, read and written byte for byte), `specc
+data prepare` (tokenize text into one), the tokenizers by Megatron's --tokenizer-type names, and
+the training samples (seeded, split by documents, blended by weight, each data-parallel rank
+reading only its own samples; or --mock-data)."""
 
-from .dataset import TokenWindows, build_datasets, split_ranges
+from .dataset import (
+    SPLITS,
+    BlendedDataset,
+    GPTDataset,
+    MockDataset,
+    build_datasets,
+    open_corpora,
+    open_dataset,
+    parse_blend,
+    split_documents,
+)
 from .errors import DataError
-from .indexed import IndexedTokens
-from .prepare import expand_inputs, prepare, stdlib_files
-from .tokenizer import ByteTokenizer, JsonTokenizer, build_tokenizer
+from .indexed import IndexedDataset, IndexedDatasetBuilder
+from .prepare import expand_inputs, prepare, read_sidecar, stdlib_files
+from .tokenizer import TOKENIZER_TYPES, ByteTokenizer, HuggingFaceTokenizer, build_tokenizer, vocab_size_with_padding
 
 __all__ = [
-    "DataError", "IndexedTokens", "TokenWindows", "build_datasets", "split_ranges", "prepare", "expand_inputs",
-    "stdlib_files", "ByteTokenizer", "JsonTokenizer", "build_tokenizer",
+    "SPLITS", "BlendedDataset", "GPTDataset", "MockDataset", "build_datasets", "open_corpora", "open_dataset",
+    "parse_blend", "split_documents", "DataError", "IndexedDataset", "IndexedDatasetBuilder", "expand_inputs",
+    "prepare", "read_sidecar", "stdlib_files", "TOKENIZER_TYPES", "ByteTokenizer", "HuggingFaceTokenizer",
+    "build_tokenizer", "vocab_size_with_padding",
 ]

@@ -1,9 +1,14 @@
-"""Tokenize text files into the memory-mapped format of indexed.py (Megatron's preprocess_data).
+"""Tokenize text files into Megatron's indexed dataset (indexed.py), as Megatron's
+tools/preprocess_data.py does: PREFIX.bin and PREFIX.idx, one sequence per document, the
+tokenizer's end-of-document id appended to each document (--append-eod, on by default here).
+Beside them PREFIX.specc.json records the tokenizer, the counts and the source files (Megatron
+neither writes nor needs it; specc reads datasets without it too).
 
 Each plain text file is one document; a `.jsonl` file holds one document per line, in the
 field named by `json_key` (Megatron's loose-JSON input). Files are read in sorted path order, so
-the result is the same on every machine. The output appears whole or not at all: it is written
-into a temporary directory beside DIR and renamed into place.
+the result is the same on every machine. The files are written under temporary names beside
+PREFIX and renamed into place when complete; an existing PREFIX.bin/.idx is replaced only when
+its PREFIX.specc.json says that `specc data prepare` wrote it.
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import sysconfig
 import tempfile
 import time
@@ -19,8 +23,26 @@ import time
 import numpy as np
 
 from .errors import DataError
-from .indexed import DOCUMENTS, DTYPES, FORMAT, META, TOKENS, VERSION, dtype_capacity, smallest_dtype
+from .indexed import TOKEN_DTYPES, IndexedDatasetBuilder, bin_path, dtype_capacity, idx_path, optimal_dtype
 from .tokenizer import build_tokenizer
+
+FORMAT = "specc-prepare"
+VERSION = 1
+SIDECAR = ".specc.json"
+
+
+def sidecar_path(prefix: str) -> str:
+    return prefix + SIDECAR
+
+
+def read_sidecar(prefix: str) -> dict | None:
+    """What `specc data prepare` recorded beside PREFIX (None: not written by it)."""
+    try:
+        with open(sidecar_path(prefix), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
 
 
 def stdlib_files(limit: int | None = None) -> list:
@@ -50,7 +72,7 @@ def _documents(path: str, json_key: str):
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
-    if not path.endswith(".jsonl"):
+    if not path.endswith((".jsonl", ".json")):
         yield text
         return
     for number, line in enumerate(text.splitlines(), 1):
@@ -61,130 +83,113 @@ def _documents(path: str, json_key: str):
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{number}: not a JSON object per line ({e.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
-            raise DataError(f"{path}:{number}: no string field {json_key!r} (set it with --json-key)")
+            raise DataError(f"{path}:{number}: no string field {json_key!r} (set it with --json-keys)")
         yield record[json_key]
 
 
-def prepare(files: list, tokenizer, output: str, token_dtype: str = "auto", json_key: str = "text",
-            log=None) -> dict:
-    """Tokenize `files` into `output` with a tokenizer ('byte', a tokenizer.json path, or an
-    object with vocab_size/name/encode/describe); returns the metadata written to dataset.json."""
+def prepare(files: list, tokenizer, output_prefix: str, token_dtype: str = "auto", json_key: str = "text",
+            append_eod: bool = True, log=None) -> dict:
+    """Tokenize `files` into OUTPUT_PREFIX.bin/.idx with a tokenizer (a --tokenizer-type name,
+    'byte', a tokenizer.json path, or an object with vocab_size/eod/name/encode/describe);
+    returns what PREFIX.specc.json records."""
     if not files:
         raise DataError("no input files")
     tok = build_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     if token_dtype == "auto":
-        token_dtype = smallest_dtype(tok.vocab_size)
-    if token_dtype not in DTYPES:
-        raise DataError(f"--token-dtype must be auto or one of {', '.join(DTYPES)}, got {token_dtype!r}")
-    if tok.vocab_size > dtype_capacity(token_dtype):
+        dtype = np.dtype(optimal_dtype(tok.vocab_size))
+    elif token_dtype in TOKEN_DTYPES:
+        dtype = np.dtype(TOKEN_DTYPES[token_dtype])
+    else:
+        raise DataError(f"--token-dtype must be auto or one of {', '.join(TOKEN_DTYPES)}, got {token_dtype!r}")
+    if tok.vocab_size > dtype_capacity(dtype):
         raise DataError(f"the tokenizer's vocabulary ({tok.vocab_size} tokens) does not fit --token-dtype "
-                        f"{token_dtype} (at most {dtype_capacity(token_dtype)} ids)")
-    _check_output(output)
-    dtype = DTYPES[token_dtype]
-    parent = os.path.dirname(os.path.abspath(output))
+                        f"{dtype.name} (at most {dtype_capacity(dtype)} ids)")
+    _check_output(output_prefix)
+    parent = os.path.dirname(os.path.abspath(output_prefix))
+    base = os.path.basename(output_prefix)
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output))}.tmp-", dir=parent)
+        temps = {}
+        for suffix in (".bin", ".idx", SIDECAR):
+            fd, temps[suffix] = tempfile.mkstemp(prefix=f".{base}{suffix}.tmp-", dir=parent)
+            os.close(fd)
     except OSError as e:
-        raise DataError(f"--output {output}: cannot write there ({e.strerror or e})") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the dataset is not
+        raise DataError(f"--output-prefix {output_prefix}: cannot write there ({e.strerror or e})") from None
+    eod = tok.eod if append_eod else None
     start = time.monotonic()
     try:
-        offsets = [0]
-        sources = []
-        with open(os.path.join(tmp, TOKENS), "wb") as out:
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in temps.values():
+            os.chmod(path, 0o666 & ~umask)  # mkstemp makes them private; a dataset is not
+        builder = IndexedDatasetBuilder(temps[".bin"], dtype)
+        sources, num_tokens = [], 0
+        as_bytes = isinstance(tok.encode(""), bytes)  # the byte tokenizer's ids are the text's bytes
+        try:
             for path in files:
                 n_file = 0
                 for text in _documents(path, json_key):
-                    ids = np.frombuffer(tok.encode(text), dtype=np.uint8) if tok.name == "byte" \
+                    ids = np.frombuffer(tok.encode(text), dtype=np.uint8) if as_bytes \
                         else np.asarray(tok.encode(text), dtype=np.int64)
+                    if eod is not None:
+                        ids = np.append(ids.astype(np.int64), eod)
                     if len(ids) == 0:
                         continue
-                    out.write(ids.astype(dtype, copy=False).tobytes())
-                    offsets.append(offsets[-1] + len(ids))
+                    builder.add_item(ids)
+                    builder.end_document()
                     n_file += len(ids)
                 sources.append({"path": os.path.abspath(path), "tokens": n_file})
-        if offsets[-1] == 0:
+                num_tokens += n_file
+        finally:
+            builder.close()
+        if num_tokens == 0:
             raise DataError("the input files hold no text (every document is empty)")
-        np.save(os.path.join(tmp, DOCUMENTS), np.asarray(offsets, dtype=np.int64))
+        builder.finalize(temps[".idx"])
         meta = {"format": FORMAT, "version": VERSION, "tokenizer": tok.describe(), "vocab_size": tok.vocab_size,
-                "dtype": token_dtype, "num_tokens": offsets[-1], "num_documents": len(offsets) - 1,
-                "json_key": json_key, "sources": sources}
-        with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
+                "eod": eod, "dtype": dtype.name, "num_tokens": num_tokens,
+                "num_documents": len(builder.document_indices) - 1, "json_key": json_key, "sources": sources}
+        with open(temps[SIDECAR], "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
             f.write("\n")
-        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
-            f.write(MARKER_TEXT)
-        _check_output(output)  # again: it may have changed while we tokenized
-        _swap(tmp, output)
+        _check_output(output_prefix)  # again: it may have changed while we tokenized
+        # .bin first, the sidecar last: a reader checks the index against the data file, so a
+        # rename cut short is found, never read as a dataset.
+        os.replace(temps[".bin"], bin_path(output_prefix))
+        os.replace(temps[".idx"], idx_path(output_prefix))
+        os.replace(temps[SIDECAR], sidecar_path(output_prefix))
     except OSError as e:  # reading inputs is checked in _documents: this is the output's
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise DataError(f"--output {output}: cannot write it ({e.strerror or e})") from None
+        _remove(temps.values())
+        raise DataError(f"--output-prefix {output_prefix}: cannot write it ({e.strerror or e})") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(temps.values())
         raise
     if log is not None:
-        log(f"wrote {output}: {meta['num_documents']} documents, {meta['num_tokens']} tokens ({token_dtype}, "
-            f"vocabulary {tok.vocab_size}) from {len(files)} files in {time.monotonic() - start:.1f}s")
+        eod_note = f", EOD {eod} after each document" if eod is not None else \
+            (", no EOD (the tokenizer has none)" if append_eod else ", no EOD")
+        log(f"wrote {output_prefix}.bin/.idx: {meta['num_documents']} documents, {num_tokens} tokens ({dtype.name}, "
+            f"vocabulary {tok.vocab_size}{eod_note}) from {len(files)} files in {time.monotonic() - start:.1f}s")
     return meta
 
 
-# Every dataset folder prepare writes holds MARKER: prepare replaces only such folders (or an
-# empty one), and only while they hold nothing but what it writes; never a user's files.
-MARKER = ".specc-output"
-MARKER_TEXT = "written by `specc data prepare`; preparing into this folder again replaces it\n"
-OWN = frozenset((TOKENS, DOCUMENTS, META, MARKER))
-
-
-def _check_output(output: str) -> None:
-    hint = "move it away or choose another --output"
-    if os.path.islink(output) or (os.path.exists(output) and not os.path.isdir(output)):
-        raise DataError(f"--output {output}: exists and is not a directory that specc data prepare wrote ({hint})")
-    if not os.path.isdir(output):
-        return
-    try:
-        entries = sorted(os.listdir(output))
-    except OSError as e:
-        raise DataError(f"--output {output}: cannot read it ({e.strerror or e})") from None
-    if not entries:
-        return
-    if MARKER in entries:
-        marked = _read(os.path.join(output, MARKER)) == MARKER_TEXT
-    else:  # prepared before datasets were marked: only its three files, and its metadata says so
+def _remove(paths) -> None:
+    for path in paths:
         try:
-            marked = set(entries) <= OWN and json.loads(_read(os.path.join(output, META)) or "").get("format") == FORMAT
-        except (ValueError, AttributeError):
-            marked = False
-    if not marked:
-        raise DataError(f"--output {output}: a non-empty directory that is not a prepared dataset; refusing to "
-                        f"replace it (specc data prepare did not write it: it has no {MARKER}; {hint})")
-    foreign = [e for e in entries if e not in OWN]
-    if foreign:
-        raise DataError(f"--output {output}: holds {foreign[0]}, which specc data prepare did not write; refusing "
-                        "to replace the directory (move it out first)")
+            os.unlink(path)
+        except OSError:
+            pass
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _swap(tmp: str, output: str) -> None:
-    """Rename the finished `tmp` to `output`; an old dataset there is renamed away first and
-    removed only once the new one is in place (put back if that fails)."""
-    if not os.path.lexists(output):
-        os.replace(tmp, output)
-        return
-    old = tmp + ".old"
-    os.rename(output, old)
-    try:
-        os.rename(tmp, output)
-    except BaseException:
-        os.rename(old, output)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+def _check_output(prefix: str) -> None:
+    """PREFIX.bin and PREFIX.idx are written only where nothing is, or where specc wrote them."""
+    hint = "move it away or choose another --output-prefix"
+    if not os.path.basename(prefix) or os.path.isdir(prefix):
+        raise DataError(f"--output-prefix {prefix}: a directory; the prefix names the files PREFIX.bin and "
+                        f"PREFIX.idx (e.g. {os.path.join(prefix.rstrip('/') or '.', 'corpus_text_document')})")
+    present = [p for p in (bin_path(prefix), idx_path(prefix), sidecar_path(prefix)) if os.path.lexists(p)]
+    for path in present:
+        if os.path.islink(path) or not os.path.isfile(path):
+            raise DataError(f"--output-prefix {prefix}: {path} exists and is not a file specc wrote ({hint})")
+    if present and read_sidecar(prefix) is None:
+        first = present[0]
+        raise DataError(f"--output-prefix {prefix}: {first} exists and `specc data prepare` did not write it (no "
+                        f"{os.path.basename(sidecar_path(prefix))} beside it); refusing to replace it ({hint})")

@@ -53,8 +53,21 @@ class ScheduleConfig:
 
 @dataclass
 class DataConfig:
-    data_path: str | None = None  # a directory written by `specc data prepare`; None: the embedded stdlib corpus
+    # a Megatron indexed dataset prefix (PREFIX.bin/.idx), or Megatron's --data-path list (a blend:
+    # WEIGHT PREFIX ...); None: the embedded stdlib corpus (or --mock-data)
+    data_path: str | list | None = None
     split: str = "969,30,1"  # train,valid[,test] weights over documents, as Megatron's --split
+    mock_data: bool = False  # seeded random tokens, no files
+    # the tokenizer (Megatron's --tokenizer-type and its files): it sizes the model's vocabulary
+    tokenizer_type: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None
+    vocab_size: int | None = None  # Megatron's --vocab-size: NullTokenizer's and TikTokenizer's
+    tiktoken_pattern: str | None = None
+    tiktoken_num_special_tokens: int = 1000
+    make_vocab_size_divisible_by: int = 128  # the model's vocabulary: the tokenizer's padded to a multiple of this x TP
+    padded_vocab_size: int | None = None  # derived from the tokenizer by the launcher's checks
 
 
 @dataclass
@@ -193,6 +206,10 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
         split_weights(cfg.data.split)
     except ValueError as e:
         errors.append(f"--split {cfg.data.split}: {e}")
+    if cfg.data.make_vocab_size_divisible_by < 1:
+        errors.append(f"--make-vocab-size-divisible-by must be at least 1, got {cfg.data.make_vocab_size_divisible_by}")
+    if cfg.data.mock_data and cfg.data.data_path is not None:
+        errors.append("--mock-data and --data-path: give one (mock data reads no files)")
     if cfg.seed < 0:
         errors.append(f"--seed must be at least 0, got {cfg.seed}")
     if cfg.device not in ("auto", "cpu", "cuda"):

@@ -1,9 +1,41 @@
-"""`specc data prepare`: tokenize text files into a memory-mapped token file with a document
-index (Megatron's preprocess_data). Imports the runtime only when it runs."""
+"""`specc data prepare`: tokenize text files into Megatron's indexed dataset, PREFIX.bin and
+PREFIX.idx (Megatron's tools/preprocess_data.py), with Megatron's tokenizer flags. Imports the
+runtime only when it runs."""
 
 from __future__ import annotations
 
 import sys
+
+TOKENIZER_TYPES = ("ByteTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
+                   "GPTSentencePieceTokenizer", "TikTokenizer", "NullTokenizer")  # runtime.data.TOKENIZER_TYPES
+
+
+def add_tokenizer_arguments(g) -> None:
+    """Megatron's tokenizer flags (shared by `specc data prepare` and `specc train`)."""
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, metavar="TYPE",
+                   help="Megatron's tokenizer names: " + ", ".join(TOKENIZER_TYPES))
+    g.add_argument("--vocab-file", default=None, metavar="PATH", help="GPT2BPETokenizer: GPT-2's vocab.json")
+    g.add_argument("--merge-file", default=None, metavar="PATH", help="GPT2BPETokenizer: GPT-2's merges.txt")
+    g.add_argument("--tokenizer-model", default=None, metavar="PATH",
+                   help="HuggingFaceTokenizer: a tokenizer.json or its folder; SentencePieceTokenizer: a .model; "
+                   "TikTokenizer: a tiktoken rank file or Megatron's JSON rank list")
+    g.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="NullTokenizer: ids below N (EOD = N); TikTokenizer: its vocabulary (default 131072)")
+    g.add_argument("--tiktoken-pattern", default=None, choices=("v1", "v2"), help="TikTokenizer's split pattern")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, metavar="N",
+                   help="TikTokenizer: special-token ids before the ranks (default 1000)")
+
+
+def tokenizer_from_args(args):
+    from runtime.data import DataError, build_tokenizer
+
+    given = getattr(args, "tokenizer", None)
+    if given is not None and args.tokenizer_type is not None:
+        raise DataError(f"--tokenizer {given} and --tokenizer-type {args.tokenizer_type}: give one")
+    return build_tokenizer(args.tokenizer_type or given or "ByteTokenizer", vocab_file=args.vocab_file,
+                           merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                           vocab_size=args.vocab_size, tiktoken_pattern=args.tiktoken_pattern,
+                           tiktoken_num_special_tokens=args.tiktoken_num_special_tokens)
 
 
 def cmd_prepare(args) -> int:
@@ -19,8 +51,9 @@ def cmd_prepare(args) -> int:
             if args.max_files < 1:
                 raise DataError(f"--max-files must be at least 1, got {args.max_files}")
             files = files[:args.max_files]
-        prepare(files, args.tokenizer, args.output, token_dtype=args.token_dtype, json_key=args.json_key,
-                log=lambda m: print(m, file=sys.stderr))
+        tok = tokenizer_from_args(args)
+        prepare(files, tok, args.output_prefix, token_dtype=args.token_dtype, json_key=args.json_key,
+                append_eod=args.append_eod, log=lambda m: print(m, file=sys.stderr))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -28,21 +61,30 @@ def cmd_prepare(args) -> int:
 
 
 def add_parsers(sub) -> None:
-    c = sub.add_parser("data", help="prepare training data (tokenize text into a memory-mapped token file)")
+    c = sub.add_parser("data", help="prepare training data (tokenize text into a Megatron indexed dataset)")
     dsub = c.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     dsub.required = True
-    p = dsub.add_parser("prepare", help="tokenize text files into DIR/tokens.bin, documents.npy, dataset.json",
+    p = dsub.add_parser("prepare", help="tokenize text files into PREFIX.bin and PREFIX.idx (Megatron's format)",
                         description="Each text file is one document; each line of a .jsonl file is one document "
-                        "(its --json-key field). Files are read in sorted order.")
+                        "(its --json-keys field). Files are read in sorted order. Writes Megatron's indexed dataset "
+                        "PREFIX.bin + PREFIX.idx (what Megatron's preprocess_data writes; --data-path PREFIX reads "
+                        "it, here and in Megatron) and PREFIX.specc.json (what was used).")
     p.add_argument("--input", dest="inputs", action="append", default=[], metavar="GLOB",
                    help="files to read (quote the glob; ** recurses); repeatable")
     p.add_argument("--stdlib", action="store_true",
                    help="add the Python standard library's top-level sources (the embedded corpus)")
-    p.add_argument("--tokenizer", default="byte", metavar="byte|PATH",
-                   help="'byte' (UTF-8 bytes, vocabulary 256) or a Hugging Face tokenizer.json (default byte)")
-    p.add_argument("--output", required=True, metavar="DIR")
-    p.add_argument("--token-dtype", default="auto", choices=("auto", "uint8", "uint16", "int32"),
-                   help="dtype of the token file (default: the smallest that holds the vocabulary)")
-    p.add_argument("--json-key", default="text", help="the text field of .jsonl records (default text)")
+    p.add_argument("--output-prefix", "--output", dest="output_prefix", required=True, metavar="PREFIX",
+                   help="write PREFIX.bin, PREFIX.idx (and PREFIX.specc.json)")
+    g = p.add_argument_group("tokenizer (default: ByteTokenizer)")
+    g.add_argument("--tokenizer", default=None, metavar="byte|PATH",
+                   help="shorthand: 'byte' (UTF-8 bytes, vocabulary 256) or a Hugging Face tokenizer.json")
+    add_tokenizer_arguments(g)
+    p.add_argument("--append-eod", dest="append_eod", action="store_true", default=True,
+                   help="append the tokenizer's end-of-document id to each document (the default)")
+    p.add_argument("--no-append-eod", dest="append_eod", action="store_false")
+    p.add_argument("--token-dtype", default="auto", choices=("auto", "uint8", "uint16", "int32", "int64"),
+                   help="dtype of PREFIX.bin (default: Megatron's choice, uint16 below 65500 ids, else int32)")
+    p.add_argument("--json-keys", "--json-key", dest="json_key", default="text", metavar="KEY",
+                   help="the text field of .jsonl records (default text)")
     p.add_argument("--max-files", type=int, default=None, metavar="N", help="read only the first N files (sorted)")
     p.set_defaults(func=cmd_prepare)

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from ..args import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError
+from .data import add_tokenizer_arguments
 
 LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
                 "rdzv_endpoint", "rdzv_id", "max_restarts")
@@ -87,11 +88,21 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--adam-eps", type=float, default=1.0e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient norm limit (0: no clipping)")
 
-    g = p.add_argument_group("data, checkpoints, logs")
-    g.add_argument("--data-path", default=None, metavar="DIR",
-                   help="a directory from `specc data prepare` (default: the Python standard library's sources, "
-                   "byte tokenizer, prepared into RUN_DIR/data)")
-    g.add_argument("--split", default="969,30,1", metavar="TRAIN,VALID[,TEST]")
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None, metavar="PREFIX",
+                   help="a Megatron indexed dataset (PREFIX.bin + PREFIX.idx, from Megatron's preprocess_data or "
+                   "`specc data prepare`), or a blend: WEIGHT PREFIX WEIGHT PREFIX ... (default: the Python standard "
+                   "library's sources, byte tokenizer, prepared into RUN_DIR/data)")
+    g.add_argument("--split", default="969,30,1", metavar="TRAIN,VALID[,TEST]",
+                   help="train, valid, test weights over each dataset's documents (default 969,30,1)")
+    g.add_argument("--mock-data", action="store_true", help="seeded random tokens instead of a dataset (no files)")
+
+    g = p.add_argument_group("tokenizer (sizes the model's vocabulary; the data is already tokenized)")
+    add_tokenizer_arguments(g)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
+                   help="the model's vocab_size: the tokenizer's padded to a multiple of N x TP (default 128)")
+
+    g = p.add_argument_group("checkpoints, logs")
     g.add_argument("--save", default=None, metavar="DIR")
     g.add_argument("--load", default=None, metavar="DIR")
     g.add_argument("--save-interval", type=int, default=None, metavar="N")

@@ -41,7 +41,7 @@ def emit_model(graph, command: str, recipe: dict | None = None) -> str:
     classes = [emitter.classes[k] for k in emitter.order]
     body = "\n".join(ln for c in classes for ln in c.init + c.body)
     return _ENV.get_template("model.py.j2").render(
-        uses_torch="torch." in body, uses_mappings="mappings." in body,
+        uses_torch="torch." in body, uses_mappings="mappings." in body, checks_ep="pg.ep" in body,
         spec_name=spec.name, description=spec.description or spec.name, version=__version__,
         spec_file=os.path.basename(spec.path), spec_hash=spec.source_hash, command=command,
         settings_line=settings.describe(), classes=classes, root_class=root_class,

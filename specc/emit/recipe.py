@@ -17,6 +17,7 @@ _FLAGS = (  # settings field, default, how the compile command spells a non-defa
     ("sp", False, lambda v: "--sp"),
     ("cp", 1, lambda v: f"--cp {v}"),
     ("cp_comm_type", "auto", lambda v: f"--cp-comm-type {v}"),
+    ("ep", 1, lambda v: f"--ep {v}"),
     ("pp", 1, lambda v: f"--pp {v}"),
     ("pp_virtual_stage_layers", None, lambda v: f"--num-layers-per-virtual-pipeline-stage {v}"),
     ("pp_first_stage_layers", None, lambda v: f"--decoder-first-pipeline-num-layers {v}"),

@@ -26,7 +26,7 @@ OWN = frozenset(FILES + ("__init__.py", MARKER, "__pycache__"))
 
 def default_name(spec) -> str:
     s = spec.settings
-    return spec.name + (f"_tp{s.tp}" if s.tp > 1 else "") + ("_sp" if s.sp else "") + (f"_cp{s.cp}" if s.cp > 1 else "") + \
+    return spec.name + (f"_tp{s.tp}" if s.tp > 1 else "") + ("_sp" if s.sp else "") + (f"_cp{s.cp}" if s.cp > 1 else "") + (f"_ep{s.ep}" if s.ep > 1 else "") + \
         (f"_pp{s.pp}" if s.pp > 1 else "") + (f"_vpp{s.pp_virtual_stage_layers}" if s.pp_virtual_stage_layers else "")
 
 

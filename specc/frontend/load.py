@@ -602,14 +602,18 @@ def _hf_config(cfg, loc: Loc, key: str, value) -> None:
             value(v, cfg.value_loc(k))
 
 
-def _hf_name(name, loc: Loc, what: str) -> set:
-    """A parameter name pattern; its placeholders (only {i}, a layer index)."""
+def _hf_name(name, loc: Loc, what: str, experts: bool = False) -> set:
+    """A parameter name pattern; its placeholders ({i}, a layer index; in hf names also {e}, an
+    expert index: the per-expert tensors stacked into the specc parameter's expert dim)."""
     if not isinstance(name, str) or not name:
         raise SpecError(loc, f"{what} must be a non-empty string, got {_kind(name)}")
-    if "{" in name.replace("{i}", "") or "}" in name.replace("{i}", ""):
-        raise SpecError(loc, f"{what} '{_clip(name)}' has a placeholder other than {{i}}",
-                        "{i} stands for a layer index, e.g. layers.{i}.mlp.linear_fc1.weight")
-    return {"i"} if "{i}" in name else set()
+    rest = name.replace("{i}", "").replace("{e}", "") if experts else name.replace("{i}", "")
+    if "{" in rest or "}" in rest:
+        allowed = "{i} or {e}" if experts else "{i}"
+        raise SpecError(loc, f"{what} '{_clip(name)}' has a placeholder other than {allowed}",
+                        "{i} stands for a layer index, e.g. layers.{i}.mlp.linear_fc1.weight"
+                        + ("; {e} for an expert index in hf names" if experts else ""))
+    return {h for h in ("i", "e") if "{" + h + "}" in name}
 
 
 def _hf_params(params, loc: Loc) -> None:
@@ -638,10 +642,16 @@ def _hf_params(params, loc: Loc) -> None:
             items = [(x, names.item_loc(i)) for i, x in enumerate(names)]
         else:
             items = [(names, entry.value_loc("hf"))]
+        expert_holes = set()
         for name, name_loc in items:
-            if _hf_name(name, name_loc, "the hf name") != holes:
+            hf_holes = _hf_name(name, name_loc, "the hf name", experts=True)
+            if hf_holes - {"e"} != holes:
                 raise SpecError(name_loc, f"'{_clip(name)}' and '{_clip(entry['specc'])}' must both have {{i}} or neither",
                                 "{i} is the layer index on both sides")
+            expert_holes.add("e" in hf_holes)
+        if len(expert_holes) > 1:
+            raise SpecError(entry.value_loc("hf"), "either every hf name of an entry has {e} or none",
+                            "{e} stacks one tensor per expert into the parameter's expert dim")
         if "transpose" in entry and not isinstance(entry["transpose"], bool):
             raise SpecError(entry.value_loc("transpose"), f"'transpose' must be true or false, got {_kind(entry['transpose'])}")
         if "rotary" in entry:

@@ -19,6 +19,7 @@ class Settings:
     fuse: bool = True  # let implementations absorb adjacent boundaries
     cp: int = 1  # context-parallel size: the sequence sharded over cp ranks outside attention
     cp_comm_type: str = "auto"  # attention over CP: p2p (ring) | all_gather | auto (the cost model)
+    ep: int = 1  # expert-model-parallel size: the experts split over ep of the data-parallel ranks
     # pipeline parallelism (specc/passes/pipeline.py): the root's repeated block cut into pp stages
     # per rank chunk; by the cost model unless Megatron's placement flags or a layout string say
     pp: int = 1
@@ -29,14 +30,16 @@ class Settings:
 
     def describe(self) -> str:
         cp = f" cp={self.cp} cp_comm_type={self.cp_comm_type}" if self.cp > 1 else ""
-        pp = f" pp={self.pp}" if self.pp > 1 else ""
-        return (f"tp={self.tp}{cp}{pp} sp={'on' if self.sp else 'off'} backend={self.backend} "
+        cp += f" ep={self.ep}" if self.ep > 1 else ""
+        cp += f" pp={self.pp}" if self.pp > 1 else ""
+        return (f"tp={self.tp}{cp} sp={'on' if self.sp else 'off'} backend={self.backend} "
                 f"micro_batch_size={self.micro_batch_size} dtype={self.dtype} fuse={'on' if self.fuse else 'off'}")
 
     def as_dict(self) -> dict:
         """The settings as plain data (a generated folder's SETTINGS), in a fixed key order."""
         return {"tp": self.tp, "sp": self.sp, "backend": self.backend, "micro_batch_size": self.micro_batch_size,
                 "dtype": self.dtype, "fuse": self.fuse, "cp": self.cp, "cp_comm_type": self.cp_comm_type,
+                **({"ep": self.ep} if self.ep > 1 else {}),  # absent at 1: earlier folders read the same
                 **{k: v for k, v in self.pipeline_dict().items() if v != PIPELINE_DEFAULTS[k]}}
 
     def pipeline_dict(self) -> dict:

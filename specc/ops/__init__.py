@@ -7,10 +7,12 @@ from .elementwise import Add, Dropout, Gelu, Mul, Silu, Split, Swiglu
 from .embedding import Embedding, PositionEmbedding
 from .linear import BiasAdd, Linear
 from .loss import CrossEntropy
+from .moe import MoE
 from .norm import LayerNorm, RMSNorm
 
 _ALL = (Linear(), BiasAdd(), Embedding(), PositionEmbedding(), LayerNorm(), RMSNorm(), Gelu(), Silu(), Swiglu(),
-        Dropout(), Split(), Add(), Mul(), Rotary(), CoreAttention(), CrossEntropy(), BoundaryOp())
+        Dropout(), Split(), Add(), Mul(), Rotary(), CoreAttention(), CrossEntropy(), BoundaryOp(),
+        MoE())
 OPS = {op.name: op for op in _ALL}
 # what a spec may name with `op:` (builtins come from `+` and `*`; bias_add is made by the compiler)
 SPEC_OPS = {n: op for n, op in OPS.items() if not getattr(op, "builtin", False) and not getattr(op, "internal", False)}

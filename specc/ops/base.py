@@ -32,6 +32,7 @@ class Weight:
     init: str  # "normal" | "ones" | "zeros"
     shard_dim: int | None = None  # None: replicated
     segments: tuple = ()  # full sizes along shard_dim, each sharded on its own
+    expert_dim: int | None = None  # stacked experts: this dim is split over the expert-parallel ranks
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Ctx:
     demand: dict = field(default_factory=dict)  # value id -> placement its consumers want
     cp: int = 1
     axis: str = "tp"
+    ep: int = 1  # expert-parallel size: not a layout axis (EP ranks are data-parallel ranks)
 
     @property
     def size(self) -> int:
@@ -69,7 +71,7 @@ class Ctx:
 
     def on(self, axis: str) -> "Ctx":
         home = ("S(s)" if self.sp else "I") if axis == "tp" else ("S(s)" if self.cp > 1 else "I")
-        return Ctx(tp=self.tp, sp=self.sp, home=home, cp=self.cp, axis=axis)
+        return Ctx(tp=self.tp, sp=self.sp, home=home, cp=self.cp, axis=axis, ep=self.ep)
 
 
 class OpKind:

@@ -169,7 +169,12 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
             c = coll.setdefault(kind, {"count": 0, "bytes": 0})  # send/recv only where CP makes them
             c["count"] += 1
             c["bytes"] += nbytes
-    params, seen = 0, set()
+    params, expert_params, seen = 0, 0, set()
+
+    def per_rank(w) -> int:  # elements of a weight one rank holds
+        n = numel(w.shape) // (settings.tp if w.shard_dim is not None else 1)
+        return n // (settings.ep if w.expert_dim is not None else 1)
+
     partial = {axis: 0 for axis in graph.mesh.active}
     partial_seen: set = set()  # (module, weight, axis): a row-parallel bias is the linear's and its bias_add's
     for op in graph.iter_ops():
@@ -179,12 +184,13 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
             continue
         seen.add(key)
         owned = kind.weights(op.attrs)
-        params += sum(numel(w.shape) // (settings.tp if w.shard_dim is not None else 1) for w in owned)
+        params += sum(per_rank(w) for w in owned)
+        expert_params += sum(per_rank(w) for w in owned if w.expert_dim is not None)
         for w in owned + kind.shared_weights(op.attrs):
             for axis, names in op.partial_grads.items():
                 if w.name in names and (op.scope, kind.owner(op), w.name, axis) not in partial_seen:
                     partial_seen.add((op.scope, kind.owner(op), w.name, axis))
-                    partial[axis] += numel(w.shape) // (settings.tp if w.shard_dim is not None else 1)
+                    partial[axis] += per_rank(w)
     sync_axes = {axis: n for axis, n in partial.items() if n}
     grad_sync = {"all_reduce": {"count": len(sync_axes), "bytes": sum(sync_axes.values()) * 4}}
     saved, seen_saved, per_layer = 0, set(), {}
@@ -215,6 +221,9 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
     }
     if settings.cp > 1:
         totals["cp_partial_grad_parameters"] = partial.get("cp", 0)
+    if expert_params:  # data-parallel over the expert-data-parallel group (dp / ep ranks)
+        totals["expert_parameters"] = expert_params
+        totals["expert_optimizer_bytes"] = expert_params * OPT_BYTES[settings.dtype]
     if graph.pipeline is not None:
         totals["pipeline"] = _pipeline_totals(graph, raw, settings)
     return totals

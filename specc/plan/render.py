@@ -8,7 +8,7 @@ import os
 
 from ..ops import OPS
 
-_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "send": "SEND", "recv": "RECV"}
+_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A", "send": "SEND", "recv": "RECV"}
 
 
 def human_bytes(n: int) -> str:
@@ -34,6 +34,7 @@ def plan_text(plan) -> str:
         f"# specc {plan.version}  spec sha256 {plan.spec_hash[:16]}",
         f"# settings: {s.describe()}",
         "# per rank; AR all-reduce, AG all-gather, RS reduce-scatter" + ("; SEND/RECV point-to-point" if s.cp > 1 else "")
+        + ("; A2A all-to-all (uniform routing)" if s.ep > 1 else "")
         + "; bytes as the collective moves them",
         "",
     ]
@@ -68,6 +69,10 @@ def plan_text(plan) -> str:
         f"  matmul FLOPs    {t['flops_per_step']:>14,}   ({t['flops']['forward']:,} forward + "
         f"{t['flops']['backward']:,} backward)",
     ]
+    if "expert_parameters" in t:
+        lines.insert(len(lines) - 3, f"  of which experts{t['expert_parameters']:>14,}   "
+                     f"{human_bytes(t['expert_parameters'] * t['parameter_bytes'] // max(1, t['parameters'])):>12}   "
+                     f"(Adam state {human_bytes(t['expert_optimizer_bytes'])}; data-parallel over dp/ep ranks)")
     if plan.groups:
         per = t["activation_bytes_per_layer"]
         if per:

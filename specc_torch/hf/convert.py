@@ -26,7 +26,7 @@ from runtime.parallel_state import ProcessGroups
 from specc.errors import SpecError
 
 from .. import api
-from .mapping import Mapping, bind, ignored, mapping_of
+from .mapping import Mapping, bind, expert_names, ignored, mapping_of
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -88,6 +88,16 @@ def _to_hf(t: torch.Tensor, mapping: Mapping, transpose: bool, rotary: bool) -> 
     if transpose:
         t = t.t()
     return t.contiguous().clone()  # its own storage: safetensors refuses tensors that share memory
+
+
+def _expert_count(name: str, meta, entry) -> int:
+    """How many per-expert tensors an entry with {e} stacks: the parameter's expert dim (0)."""
+    if not entry.experts:
+        return 1
+    if meta.expert_dim != 0:
+        raise SpecError(entry.loc, f"'{name}' is not a stacked expert weight, but its hf names have {{e}}",
+                        "{e} stacks per-expert tensors into a parameter whose dim 0 holds the experts")
+    return meta.full_shape[0]
 
 
 def _segments(name: str, meta, entry, count: int) -> tuple:
@@ -195,21 +205,25 @@ def import_hf(hf_dir: str, spec_path: str, out: str, overrides: dict | None = No
     tensors, used = {}, set()
     for name, meta in params.items():
         entry, hf_names = bound[name]
-        pieces = []
-        for k, hf_name in enumerate(hf_names):
-            if hf_name not in source.where:
-                raise HFError(f"{hf_dir}: no tensor {hf_name} (for {name})")
-            used.add(hf_name)
-            pieces.append(_to_specc(source.get(hf_name), mapping, entry.transpose, entry.rotary[k]))
-        if entry.fused:
-            dim, sizes = _segments(name, meta, entry, len(pieces))
-            for piece, size, hf_name in zip(pieces, sizes, hf_names):
-                if piece.dim() <= dim or piece.shape[dim] != size:
-                    raise HFError(f"{hf_dir}: {hf_name} has shape {list(piece.shape)}, but segment of {name} "
-                                  f"has {size} along dim {dim}")
-            full = torch.cat(pieces, dim=dim)
-        else:
-            full = pieces[0]
+        per_expert = []
+        for names in expert_names(entry, hf_names, _expert_count(name, meta, entry)):
+            pieces = []
+            for k, hf_name in enumerate(names):
+                if hf_name not in source.where:
+                    raise HFError(f"{hf_dir}: no tensor {hf_name} (for {name})")
+                used.add(hf_name)
+                pieces.append(_to_specc(source.get(hf_name), mapping, entry.transpose, entry.rotary[k]))
+            if entry.fused:
+                dim, sizes = _segments(name, meta, entry, len(pieces))
+                dim -= int(entry.experts)  # one expert's tensor: the expert dim 0 is not there
+                for piece, size, hf_name in zip(pieces, sizes, names):
+                    if piece.dim() <= dim or piece.shape[dim] != size:
+                        raise HFError(f"{hf_dir}: {hf_name} has shape {list(piece.shape)}, but segment of {name} "
+                                      f"has {size} along dim {dim}")
+                per_expert.append(torch.cat(pieces, dim=dim))
+            else:
+                per_expert.append(pieces[0])
+        full = torch.stack(per_expert) if entry.experts else per_expert[0]
         if tuple(full.shape) != tuple(meta.full_shape):
             shown = " + ".join(hf_names)
             raise HFError(f"{hf_dir}: {shown} gives {name} the shape {list(full.shape)}, but spec {spec.name} "
@@ -248,13 +262,16 @@ def export_hf(ckpt: str, spec_path: str, out: str, overrides: dict | None = None
     tensors = {}
     for name, meta in params.items():
         entry, hf_names = bound[name]
-        if entry.fused:
-            dim, sizes = _segments(name, meta, entry, len(hf_names))
-            pieces = torch.split(full[name], sizes, dim=dim)
-        else:
-            pieces = [full[name]]
-        for k, (piece, hf_name) in enumerate(zip(pieces, hf_names)):
-            tensors[hf_name] = _to_hf(piece, mapping, entry.transpose, entry.rotary[k])
+        count = _expert_count(name, meta, entry)
+        for j, names in enumerate(expert_names(entry, hf_names, count)):
+            tensor = full[name][j] if entry.experts else full[name]
+            if entry.fused:
+                dim, sizes = _segments(name, meta, entry, len(names))
+                pieces = torch.split(tensor, sizes, dim=dim - int(entry.experts))
+            else:
+                pieces = [tensor]
+            for k, (piece, hf_name) in enumerate(zip(pieces, names)):
+                tensors[hf_name] = _to_hf(piece, mapping, entry.transpose, entry.rotary[k])
     dtypes = {t.dtype for t in tensors.values()}
     config = {"architectures": [mapping.architecture] if mapping.architecture else None, **mapping.config,
               **mapping.export_config}

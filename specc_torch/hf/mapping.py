@@ -13,6 +13,8 @@ the parameters of the compiled model.
           hf: ["model.layers.{i}.self_attn.q_proj.weight", ...]      # one per segment: split / joined
           rotary: [true, true, false]                                # pieces holding rotary heads
         - {specc: "layers.{i}.mlp.linear_fc1.weight", hf: "transformer.h.{i}.mlp.c_fc.weight", transpose: true}
+        - specc: "layers.{i}.mlp.experts.linear_fc1.weight"          # stacked experts [E, 2F, h]
+          hf: ["model.layers.{i}.mlp.experts.{e}.w1.weight", ...]    # {e}: one tensor per expert, stacked
       ignore: ["lm_head.weight"]                                     # HF tensors that are not imported
 
 Nothing here knows a model family: which names, which transposes, which splits all come from the
@@ -36,6 +38,7 @@ class Entry:
     transpose: bool
     rotary: list  # per hf name: holds rotary q/k heads
     loc: Loc
+    experts: bool = False  # hf names hold {e}: one tensor per expert, stacked on the parameter's dim 0
 
     def regex(self) -> re.Pattern:
         return re.compile(re.escape(self.specc).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
@@ -99,7 +102,8 @@ def mapping_of(spec) -> Mapping:
         flags = raw.get("rotary", False)
         flags = list(flags) if isinstance(flags, list) else [bool(flags)] * len(names)
         entries.append(Entry(str(raw["specc"]), names, fused, bool(raw.get("transpose", False)), flags,
-                             raw.value_loc("specc") if hasattr(raw, "value_loc") else loc))
+                             raw.value_loc("specc") if hasattr(raw, "value_loc") else loc,
+                             experts=any("{e}" in n for n in names)))
     return Mapping(
         architecture=str(hf["architecture"]) if hf.get("architecture") is not None else None,
         config=_evaluate(hf.get("config") or {}, loc, spec),
@@ -141,6 +145,13 @@ def bind(mapping: Mapping, names, spec_name: str) -> dict:
                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
                         "add - {specc: NAME, hf: HF_NAME} to hf.params")
     return bound
+
+
+def expert_names(entry: Entry, hf_names: list, count: int) -> list:
+    """[[hf names of expert j] for j in range(count)] of an entry with {e}; [hf_names] without."""
+    if not entry.experts:
+        return [hf_names]
+    return [[h.replace("{e}", str(j)) for h in hf_names] for j in range(count)]
 
 
 def ignored(mapping: Mapping, hf_name: str) -> bool:

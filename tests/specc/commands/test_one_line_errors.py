@@ -36,9 +36,10 @@ def train(specc, corpus, tmp_path):
     """specc train gpt-tiny with a run directory that must never appear."""
     run_dir = tmp_path / "never"
 
-    def run(*argv, data=corpus):
-        result = specc("train", GPT_TINY, "--data-path", data, "--train-iters", "1", "--eval-iters", "0",
-                       "--no-progress", *argv, *(() if "--run-dir" in argv else ("--run-dir", run_dir)))
+    def run(*argv, data=corpus, extra=()):
+        result = specc("train", GPT_TINY, *(("--data-path", data) if data is not None else extra), "--train-iters",
+                       "1", "--eval-iters", "0", "--no-progress", *argv,
+                       *(() if "--run-dir" in argv else ("--run-dir", run_dir)))
         assert not run_dir.exists(), "a run started"
         return result
 
@@ -75,20 +76,34 @@ def test_numbers_that_are_not_finite(train, flag, value):
     _one_line(train(f"{flag}={value}"), f"error: {flag} must be a finite number, got {float(value)}")
 
 
-def test_token_ids_outside_the_vocabulary_are_found_at_load(train, corpus, tmp_path):
-    import shutil
+def test_token_ids_outside_the_vocabulary_are_found_at_load(train, tmp_path):
+    import numpy as np
 
-    data = tmp_path / "data"
-    shutil.copytree(corpus, data)
-    meta = json.loads((data / "dataset.json").read_text())
-    meta["vocab_size"] = 100  # what its tokenizer claims; the ids say otherwise
-    (data / "dataset.json").write_text(json.dumps(meta))
-    tokens = (data / "tokens.bin").read_bytes()
-    first = next(i for i, b in enumerate(tokens) if b >= 100)
-    err = _one_line(train("--set", "vocab_size=100", data=data),
-                    f"error: --data-path {data}: token id {tokens[first]} at position {first} is outside the model's "
-                    f"vocabulary (0..99)")
-    assert err.endswith(f"--set vocab_size={max(tokens) + 1} or more (its largest id is {max(tokens)})")
+    from runtime.data import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "megatron_text_document")  # as Megatron's preprocess_data leaves it: no specc sidecar
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for doc in (np.arange(200), np.arange(300) % 256, np.array([5, 300, 7, 12])):
+        builder.add_item(doc)
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    _one_line(train(data=prefix), f"error: --data-path {prefix}: {prefix}.bin holds token id 300 (its largest), "
+              f"outside the model's vocabulary of 256 (ids 0..255); prepare the data with the model's tokenizer, "
+              f"give its --tokenizer-type, or --set vocab_size=301 or more")
+
+
+def test_data_path_mistakes(train, corpus, tmp_path):
+    _one_line(train(data=tmp_path / "my-corpus_text_document"),
+              f"error: --data-path {tmp_path / 'my-corpus_text_document'}: no my-corpus_text_document.bin and "
+              "my-corpus_text_document.idx (a dataset is a path prefix")
+    _one_line(train(data=None, extra=("--data-path", "0.3", corpus, corpus, "0.7")),
+              "error: --data-path: blend weight")
+    _one_line(train("--mock-data"), "error: --mock-data and --data-path: give one")
+    _one_line(train("--split", "9,x"), "error: --split 9,x: weights must be numbers")
+    _one_line(train("--tokenizer-type", "GPT2BPETokenizer"), "error: --vocab-file is needed")
+    _one_line(train("--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--set", "vocab_size=256"),
+              "error: --set vocab_size=256 is smaller than the NullTokenizer vocabulary (301); drop it to use the "
+              "padded 384")
 
 
 def test_sequence_parallel_at_tp1(train):

@@ -19,7 +19,7 @@ def corpus(tmp_path_factory):
     from runtime.data import prepare, stdlib_files
 
     out = str(tmp_path_factory.mktemp("cp_cli") / "corpus")
-    prepare(stdlib_files(limit=8), "byte", out)
+    prepare(stdlib_files(limit=20), "byte", out)  # 20 documents: one for validation
     return out
 
 

@@ -18,12 +18,29 @@ SEED_FLAGS = ("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-
               "--use-distributed-optimizer").split()
 
 
+sys.path.insert(0, os.path.join(ROOT, "tests", "runtime", "data"))
+from tokenizer_files import GPT2_VOCAB_SIZE, gpt2_files  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """A Megatron-format dataset prefix tokenized with GPT-2 BPE vocab/merges files, and the
+    tokenizer flags that go with it."""
+    from runtime.data import build_tokenizer, prepare, stdlib_files
+
+    folder = tmp_path_factory.mktemp("gpt2")
+    vocab, merges = gpt2_files(folder)
+    prefix = str(folder / "my-corpus_text_document")
+    prepare(stdlib_files(limit=20), build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges), prefix)
+    return prefix, ("--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     from runtime.data import prepare, stdlib_files
 
     out = str(tmp_path_factory.mktemp("cli") / "corpus")
-    prepare(stdlib_files(limit=8), "byte", out)
+    prepare(stdlib_files(limit=20), "byte", out)  # 20 documents: one for validation
     return out
 
 
@@ -79,13 +96,20 @@ def test_broken_rules_are_one_line_each_and_nothing_starts(specc, corpus, tmp_pa
     assert not os.path.exists(run_dir)
 
 
-def test_specc_train_runs_tp2_sp_through_torchrun_and_plots(specc, corpus, tmp_path):
+def test_specc_train_runs_tp2_sp_through_torchrun_and_plots(specc, gpt2, tmp_path):
+    """The seed's command at tiny sizes, on a Megatron dataset prefix with GPT-2 BPE vocab/merges."""
     run_dir = tmp_path / "run"
+    prefix, tokenizer = gpt2
     code, out, err = specc("train", GPT_TINY, "--nproc-per-node", "2", "--tensor-model-parallel-size", "2",
                            "--sequence-parallel", "--micro-batch-size", "4", "--global-batch-size", "8",
+                           "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+                           "32", "--use-distributed-optimizer",
                            "--train-iters", "6", "--log-interval", "3", "--eval-interval", "6", "--eval-iters", "1",
-                           "--lr", "3e-3", "--data-path", corpus, "--run-dir", run_dir, "--no-progress")
+                           "--lr", "3e-3", "--data-path", prefix, *tokenizer, "--run-dir", run_dir, "--no-progress")
     assert code == 0, out + err
+    # GPT-2's vocabulary (here 265 ids) padded to a multiple of 128 x TP 2 reaches the model
+    assert f"data {prefix}:" in out and "vocabulary 512 (GPT2BPETokenizer, padded to a multiple of 128 x TP 2)" in out
+    assert json.load(open(run_dir / "config.json"))["model"]["vocab_size"] == 512 and GPT2_VOCAB_SIZE == 265
     assert "launching 2 ranks: torchrun --nproc-per-node 2" in err
     assert "parallel.tp ..." in out and "model.seq_length ..." in out  # the effective configuration
     assert out.count("consumed samples:") == 2 and "validation loss at iteration 6" in out
@@ -98,18 +122,20 @@ def test_specc_train_runs_tp2_sp_through_torchrun_and_plots(specc, corpus, tmp_p
     assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_torchrun_runtime_train_by_hand(corpus, tmp_path):
+def test_torchrun_runtime_train_by_hand(gpt2, tmp_path):
     run_dir = tmp_path / "dp2"
+    prefix, tokenizer = gpt2
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "specc_torch.train", GPT_TINY, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
-           "--eval-iters", "0", "--log-interval", "1", "--data-path", corpus, "--run-dir", str(run_dir),
-           "--use-distributed-optimizer"]
+           "--eval-iters", "0", "--log-interval", "1", "--data-path", prefix, *tokenizer, "--run-dir",
+           str(run_dir), "--use-distributed-optimizer"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "TP 1 x CP 1 x DP 2 x PP 1" in result.stdout and "2 accumulation steps" in result.stdout
     assert "distributed over DP=2" in result.stdout and "ratio 0.500" in result.stdout
     assert result.stdout.count("consumed samples:") == 3
+    assert "vocabulary 384 (GPT2BPETokenizer, padded to a multiple of 128 x TP 1)" in result.stdout
 
 
 def test_data_prepare_and_its_errors(specc, tmp_path):
@@ -118,18 +144,43 @@ def test_data_prepare_and_its_errors(specc, tmp_path):
     (src / "a.txt").write_text("hello")
     (src / "b.txt").write_text("world!")
     code, _, err = specc("data", "prepare", "--input", str(src / "*.txt"), "--tokenizer", "byte",
-                         "--output", tmp_path / "out")
-    assert code == 0 and "2 documents, 11 tokens (uint8, vocabulary 256) from 2 files" in err
+                         "--output-prefix", tmp_path / "out")
+    assert code == 0 and "2 documents, 11 tokens (uint16, vocabulary 256, no EOD (the tokenizer has none)) from 2 " \
+        "files" in err
+    vocab, merges = gpt2_files(tmp_path)
+    code, _, err = specc("data", "prepare", "--input", str(src / "*.txt"), "--tokenizer-type", "GPT2BPETokenizer",
+                         "--vocab-file", vocab, "--merge-file", merges, "--output-prefix", tmp_path / "bpe")
+    assert code == 0 and f"(uint16, vocabulary {GPT2_VOCAB_SIZE}, EOD {GPT2_VOCAB_SIZE - 1} after each document)" in err
     code, _, err = specc("data", "prepare", "--input", str(src / "*.md"), "--output", tmp_path / "x")
     assert code == 2 and err.strip() == f"error: --input '{src / '*.md'}' matches no files"
     (src / "c.txt").write_bytes(b"\xff\xfe")
     code, _, err = specc("data", "prepare", "--input", str(src / "*.txt"), "--output", tmp_path / "x")
     assert code == 2 and err.strip() == f"error: {src / 'c.txt'}: not UTF-8 text (byte 0xff at offset 0)"
-    assert not (tmp_path / "x").exists()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(("x", ".x"))]
     code, _, err = specc("data", "prepare", "--output", tmp_path / "x")
     assert code == 2 and "--input" in err
     code, _, err = specc("data", "prepare", "--stdlib", "--max-files", "3", "--output", tmp_path / "std")
     assert code == 0 and "from 3 files" in err
+
+
+def test_mock_data_and_a_weighted_blend_train(specc, gpt2, tmp_path):
+    small = ("--train-iters", "2", "--micro-batch-size", "2", "--eval-iters", "1", "--log-interval", "1",
+             "--no-progress")
+    code, out, err = specc("train", GPT_TINY, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                           "1000", *small, "--run-dir", tmp_path / "mock")
+    assert code == 0, out + err
+    assert "data mock data (seeded random tokens):" in out and "vocabulary 1024 (NullTokenizer" in out
+    assert not (tmp_path / "mock" / "data").exists()  # no files
+    from runtime.data import build_tokenizer, prepare, stdlib_files
+
+    prefix, tokenizer = gpt2
+    other = str(tmp_path / "other_text_document")  # 20 more files, the same tokenizer
+    prepare(stdlib_files()[20:40], build_tokenizer("GPT2BPETokenizer", vocab_file=tokenizer[3], merge_file=tokenizer[5]),
+            other)
+    code, out, err = specc("train", GPT_TINY, "--data-path", "0.25", prefix, "0.75", other, *tokenizer, *small,
+                           "--run-dir", tmp_path / "blend")
+    assert code == 0, out + err
+    assert f"data 0.25 {prefix} 0.75 {other}:" in out and out.count("consumed samples:") == 2
 
 
 def test_plot_errors(specc, tmp_path):
@@ -148,8 +199,8 @@ def test_without_data_path_the_stdlib_corpus_is_prepared_and_reused(specc, tmp_p
             "--log-interval", "1", "--run-dir", run_dir, "--no-progress")
     code, out, err = specc(*args)
     assert code == 0, out + err
-    assert f"wrote {run_dir / 'data'}:" in err
-    meta = json.load(open(run_dir / "data" / "dataset.json"))
+    assert f"wrote {run_dir / 'data' / 'stdlib_text_document'}.bin/.idx:" in err
+    meta = json.load(open(run_dir / "data" / "stdlib_text_document.specc.json"))
     assert meta["tokenizer"]["type"] == "byte" and meta["num_documents"] > 100  # the standard library
     assert out.count("consumed samples:") == 2
     code, out, err = specc(*args)  # a second run reuses the prepared corpus

@@ -1,0 +1,108 @@
+"""`specc data prepare`'s library side: tokens are the text's ids with the tokenizer's EOD after
+each document, bad input is one clear error and leaves nothing behind, and an existing PREFIX.bin
+/.idx is replaced only when specc wrote it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from runtime.data import DataError, expand_inputs, open_dataset, prepare
+
+
+def _write(path, data: bytes):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return str(path)
+
+
+def _tree(path) -> dict:
+    return {name: (path / name).read_bytes() for name in sorted(os.listdir(path)) if (path / name).is_file()}
+
+
+def test_bad_input_is_one_clear_error_and_leaves_nothing(tmp_path):
+    out = str(tmp_path / "out")
+
+    def error(files, tokenizer="byte", **kw):
+        before = sorted(os.listdir(tmp_path))
+        with pytest.raises(DataError) as e:
+            prepare(files, tokenizer, out, **kw)
+        assert "\n" not in str(e.value)
+        assert sorted(os.listdir(tmp_path)) == before  # nothing written, no temporary left
+        return str(e.value)
+
+    with pytest.raises(DataError, match="matches no files"):
+        expand_inputs([str(tmp_path / "nothing" / "*.txt")])
+    bad = _write(tmp_path / "in" / "latin1.txt", "café".encode("latin-1"))
+    assert error([bad]) == f"{bad}: not UTF-8 text (byte 0xe9 at offset 3)"
+    gone = str(tmp_path / "in" / "dangling.txt")
+    os.symlink(str(tmp_path / "missing"), gone)
+    assert error([gone]).startswith(f"{gone}: cannot read (")
+    jl = _write(tmp_path / "in" / "x.jsonl", b'{"text": "ok"}\n{"body": "no text"}\n')
+    assert error([jl]) == f"{jl}:2: no string field 'text' (set it with --json-keys)"
+    empty = _write(tmp_path / "in" / "empty.txt", b"")
+    assert "no text" in error([empty])
+    ok = _write(tmp_path / "in" / "ok.txt", b"abc")
+
+    class BigVocab:
+        name, vocab_size, eod = "big", 70_000, None
+
+        def encode(self, text):
+            return [1, 2]
+
+        def describe(self):
+            return {"type": "test"}
+
+    assert error([ok], BigVocab(), token_dtype="uint16") == (
+        "the tokenizer's vocabulary (70000 tokens) does not fit --token-dtype uint16 (at most 65536 ids)")
+    assert error([ok], token_dtype="uint3").startswith("--token-dtype must be")
+    assert "no such file" in error([ok], str(tmp_path / "missing.json"))
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(DataError, match="a directory; the prefix names the files PREFIX.bin and PREFIX.idx"):
+        prepare([ok], "byte", str(tmp_path / "adir"))
+
+
+def test_only_its_own_files_are_replaced(tmp_path):
+    text = _write(tmp_path / "in.txt", b"hello world\n")
+    other = _write(tmp_path / "other.txt", b"another text, longer\n")
+    out = str(tmp_path / "d" / "c")
+    prepare([text], "byte", out)
+    prepare([other], "byte", out)  # its own: replaced
+    assert bytes(open_dataset(out).document(0).astype("u1")) == b"another text, longer\n"
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "c.bin").write_bytes(b"a Megatron dataset of the user's")
+    (mine / "c.idx").write_bytes(b"MMIDIDX\x00\x00...")
+    before = _tree(mine)
+    with pytest.raises(DataError) as e:
+        prepare([text], "byte", str(mine / "c"))
+    assert str(e.value) == (f"--output-prefix {mine / 'c'}: {mine / 'c.bin'} exists and `specc data prepare` did "
+                            "not write it (no c.specc.json beside it); refusing to replace it (move it away or "
+                            "choose another --output-prefix)")
+    assert _tree(mine) == before
+    (mine / "c.specc.json").write_text('{"format": "someone-elses"}')
+    with pytest.raises(DataError, match="did not write it"):
+        prepare([text], "byte", str(mine / "c"))
+
+
+def test_the_cli_prepares_with_megatrons_flags_and_refuses_with_one_line(tmp_path, capsys):
+    from specc.cli import main
+
+    src = _write(tmp_path / "a.jsonl", b'{"body": "3 7"}\n')
+    assert main(["data", "prepare", "--input", src, "--json-keys", "body", "--tokenizer-type", "NullTokenizer",
+                 "--vocab-size", "100", "--output-prefix", str(tmp_path / "n")]) == 0
+    assert "1 documents, 3 tokens (uint16, vocabulary 101, EOD 100 after each document)" in capsys.readouterr().err
+    assert open_dataset(str(tmp_path / "n")).document(0).tolist() == [3, 7, 100]
+    for argv, message in [
+        (["--tokenizer-type", "GPT2BPETokenizer"], "error: --vocab-file is needed: GPT2BPETokenizer reads GPT-2's "
+                                                   "vocab.json"),
+        (["--tokenizer", "byte", "--tokenizer-type", "ByteTokenizer"], "error: --tokenizer byte and --tokenizer-type "
+                                                                       "ByteTokenizer: give one"),
+        (["--tokenizer-type", "TikTokenizer", "--tokenizer-model", src], "error: --tiktoken-pattern must be v1 or v2"),
+    ]:
+        assert main(["data", "prepare", "--input", src, "--output-prefix", str(tmp_path / "x"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(message) and len(err.splitlines()) == 1, err
+    assert not any(n.startswith("x") for n in os.listdir(tmp_path))

@@ -1,0 +1,91 @@
+"""The tokenizers by Megatron's --tokenizer-type, each through its library, against an independent
+reference where there is one: GPT-2's BPE (through `tokenizers`) gives tiktoken's ids on the same
+ranks; TikTokenizer reads the tiktoken file and Megatron's JSON alike and puts the special tokens
+first; SentencePiece gets Megatron's special tokens; the vocabulary pads as Megatron's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizer_files import GPT2_PATTERN, GPT2_VOCAB_SIZE, gpt2_files, ranks, sentencepiece_model, tiktoken_files
+
+from runtime.data import DataError, build_tokenizer, vocab_size_with_padding
+
+TEXT = "the cat in the hen, 42 other\nthings  héllo <|endoftext|> theater\t\tend"
+
+
+def test_gpt2_bpe_matches_tiktoken_on_the_same_ranks(tmp_path):
+    tiktoken = pytest.importorskip("tiktoken")
+    vocab, merges = gpt2_files(tmp_path)
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    reference = tiktoken.Encoding("ref", pat_str=GPT2_PATTERN, mergeable_ranks=ranks(), special_tokens={})
+    assert tok.encode(TEXT) == reference.encode_ordinary(TEXT)
+    assert 258 in tok.encode(TEXT) and tok.decode(tok.encode(TEXT)) == TEXT  # " the" merged; round trip
+    assert (tok.vocab_size, tok.eod) == (GPT2_VOCAB_SIZE, GPT2_VOCAB_SIZE - 1)  # "<|endoftext|>" in text: plain
+    with pytest.raises(DataError, match="--merge-file is needed"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab)
+    (tmp_path / "bad.json").write_text(json.dumps({"a": 0}))
+    with pytest.raises(DataError, match="no <\\|endoftext\\|> entry"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "bad.json"), merge_file=merges)
+
+
+def test_huggingface_tokenizer_json_or_folder_with_its_eos(tmp_path):
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "</s>": 3}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "m").mkdir()
+    hf.save(str(tmp_path / "m" / "tokenizer.json"))
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "m" / "tokenizer.json"))
+    assert tok.encode("a b c a") == [1, 2, 0, 1] and tok.vocab_size == 4 and tok.eod is None
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}}))
+    assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "m")).eod == 3
+    with pytest.raises(DataError, match="no such file"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "none"))
+
+
+def test_sentencepiece_with_megatrons_special_tokens(tmp_path):
+    pytest.importorskip("sentencepiece")
+    import sentencepiece as spm
+
+    model = sentencepiece_model(tmp_path)
+    sp = spm.SentencePieceProcessor(model_file=model)
+    n = len(sp)
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
+    # <CLS> <SEP> <EOD> <MASK> and <PAD> (the model has no pad) are new ids; <s> </s> are its own
+    assert (tok.vocab_size, tok.eod) == (n + 5, n + 2)
+    assert tok.encode("the cat<EOD>a hen") == sp.encode_as_ids("the cat") + [n + 2] + sp.encode_as_ids("a hen")
+    assert tok.decode(tok.encode("the cat<EOD>a hen")) == "the cat<EOD>a hen"
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model)
+    assert (gpt.vocab_size, gpt.eod, gpt.encode("the cat")) == (n, sp.eos_id(), sp.encode_as_ids("the cat"))
+    (tmp_path / "not.model").write_bytes(b"garbage")
+    with pytest.raises(DataError, match="not a SentencePiece model"):
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "not.model"))
+
+
+def test_tiktokenizer_reads_tiktoken_and_megatron_rank_files_alike(tmp_path):
+    pytest.importorskip("tiktoken")
+    plain, megatron = tiktoken_files(tmp_path)
+    n = len(ranks())
+    toks = [build_tokenizer("TikTokenizer", tokenizer_model=path, tiktoken_pattern="v2", vocab_size=n + 4,
+                            tiktoken_num_special_tokens=4) for path in (plain, megatron)]
+    assert toks[0].encode(TEXT) == toks[1].encode(TEXT)
+    assert toks[0].encode("the") == [4 + 257] and toks[0].eod == 2  # ranks after the specials; EOD </s>
+    assert toks[0].decode(toks[0].encode(TEXT)) == TEXT and toks[0].vocab_size == n + 4
+    with pytest.raises(DataError, match=f"{n} ranks, but --vocab-size 131072 with 1000 special tokens needs 130072"):
+        build_tokenizer("TikTokenizer", tokenizer_model=plain, tiktoken_pattern="v1")
+    (tmp_path / "bad.tiktoken").write_text("!!! x\n")
+    with pytest.raises(DataError, match="not a tiktoken rank file"):
+        build_tokenizer("TikTokenizer", tokenizer_model=str(tmp_path / "bad.tiktoken"), tiktoken_pattern="v2")
+
+
+def test_vocabulary_padding_and_the_null_tokenizer():
+    assert vocab_size_with_padding(50257, 128, 1) == 50304  # GPT-2
+    assert vocab_size_with_padding(50257, 128, 8) == 51200
+    assert vocab_size_with_padding(256, 128, 2) == 256 and vocab_size_with_padding(257, 128, 2) == 512
+    null = build_tokenizer("NullTokenizer", vocab_size=1000)
+    assert (null.vocab_size, null.eod, null.encode("5 6 999")) == (1001, 1000, [5, 6, 999])
+    with pytest.raises(DataError, match="unknown"):
+        build_tokenizer("Bert")
