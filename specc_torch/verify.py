@@ -512,7 +512,7 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
         finally:
             pg.destroy()
     if _pipeline_settings(cfg):
-        rows += _verify_pipeline(cfg, refs, spec, inputs, build)
+        rows += _verify_pipeline(cfg, reference, spec, inputs, build)
     return rows if rank == 0 else []
 
 
@@ -535,7 +535,7 @@ def _pipeline_settings(cfg: VerifyConfig) -> list:
     return out
 
 
-def _verify_pipeline(cfg: VerifyConfig, refs: dict, spec, inputs, build) -> list:
+def _verify_pipeline(cfg: VerifyConfig, reference, spec, inputs, build) -> list:
     """Each pipeline setting against the PP = 1 model: the mean loss at every step, every gradient
     (gathered over TP, collected over the stages; a weight tied across stages on both of its
     ends) and the weights after K SGD steps, from the initial and from randomized weights. The
@@ -557,7 +557,7 @@ def _verify_pipeline(cfg: VerifyConfig, refs: dict, spec, inputs, build) -> list
             for prefix, randomized in WEIGHTS:
                 model = build(text, spec_t.name, pg, randomized)
                 got = _run_pipeline(model, pg, cfg, names, inputs)
-                ref = refs[prefix]
+                ref = reference(prefix, randomized, 1)  # the PP=1 model on the whole batch
                 want = {"loss": ref["loss"].double().mean(dim=tuple(range(1, ref["loss"].dim()))),
                         "grads": dict(ref["grads"]), "weights": dict(ref["weights"])}
                 for what in ("grads", "weights"):

@@ -1,7 +1,8 @@
 """Issue 12's pipeline acceptance from the command line: the seed's `specc train` command with
---pipeline-model-parallel-size 2 added trains the tiny GPT (tied embeddings) on 4 gloo ranks
-(TP=2 + SP inside each of 2 stages), and its checkpoint loads at PP=1 with the same validation
-loss; then the PP flags' errors, one line each, before any rank starts."""
+--pipeline-model-parallel-size 2 added trains the tiny GPT (tied embeddings; 4 layers here, so
+that PP=4 can load it) on 4 gloo ranks (TP=2 + SP inside each of 2 stages); its checkpoint,
+with the optimizer state, resumes at PP=1 and at PP=4 to the very step PP=2 took next; then the
+PP flags' errors, one line each, before any rank starts."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def corpus(tmp_path_factory):
     from runtime.data import prepare, stdlib_files
 
     out = str(tmp_path_factory.mktemp("pp_cli") / "corpus")
-    prepare(stdlib_files(limit=8), "byte", out)
+    prepare(stdlib_files(limit=20), "byte", out)  # 20 documents: one for validation
     return out
 
 
@@ -32,26 +33,37 @@ def _records(run_dir, kind) -> list:
         return [r for r in map(json.loads, f) if r["kind"] == kind]
 
 
-def test_pp2_tp2_trains_and_its_checkpoint_loads_at_pp1_with_the_same_validation_loss(specc, corpus, tmp_path,
-                                                                                       monkeypatch):
+def test_pp2_tp2_trains_and_its_checkpoint_resumes_at_pp1_and_pp4(specc, corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ckpt = tmp_path / "ckpt"
-    code, out, err = specc("train", GPT_TINY, *SEED, "--pipeline-model-parallel-size", "2", "--train-iters", "3",
-                           "--save", ckpt, "--data-path", corpus, "--run-dir", tmp_path / "pp", *SMALL)
+    layers = ("--num-layers", "4")
+    code, out, err = specc("train", GPT_TINY, *SEED, *layers, "--pipeline-model-parallel-size", "2",
+                           "--train-iters", "4", "--save", ckpt, "--save-interval", "3", "--data-path", corpus,
+                           "--run-dir", tmp_path / "pp2", *SMALL)
     assert code == 0, out + err[-3000:]
-    assert "TP 2 x CP 1 x DP 1 x PP 2" in out and out.count("consumed samples:") == 3
-    trained = _records(tmp_path / "pp", "train")
-    assert [r["iteration"] for r in trained] == [1, 2, 3] and trained[-1]["loss"] < trained[0]["loss"]
-    (saved,) = _records(tmp_path / "pp", "eval")
+    assert "TP 2 x CP 1 x DP 1 x PP 2" in out and out.count("consumed samples:") == 4
+    trained = _records(tmp_path / "pp2", "train")
+    assert [r["iteration"] for r in trained] == [1, 2, 3, 4] and trained[-1]["loss"] < trained[0]["loss"]
+    (evaluated,) = _records(tmp_path / "pp2", "eval")
+    step3 = ckpt / "step_0000003"
 
-    code, out, err = specc("train", GPT_TINY, "--load", ckpt, "--train-iters", "3", "--micro-batch-size", "16",
-                           "--global-batch-size", "32", "--data-path", corpus, "--run-dir", tmp_path / "one", *SMALL)
-    assert code == 0, out + err
-    (line,) = [ln for ln in out.splitlines() if ln.startswith(f"loaded checkpoint {ckpt / 'step_0000003'} at iteration 3")]
-    assert "'pp': 2" in line and line.endswith(", resharded)")
-    (loaded,) = _records(tmp_path / "one", "eval")
-    assert loaded["iteration"] == saved["iteration"] == 3
-    assert loaded["loss"] == pytest.approx(saved["loss"], rel=1e-5)
+    # Resume from step 3 at PP=1 (one process) and at PP=4 (4 ranks): weights, Adam moments and
+    # the data position come back, so step 4 is PP=2's step 4 (loss before it, validation after it).
+    runs = {"pp1": ("--micro-batch-size", "16", "--global-batch-size", "32", "--lr", "3e-3"),
+            "pp4": ("--nproc-per-node", "4", "--pipeline-model-parallel-size", "4", "--micro-batch-size", "8",
+                    "--global-batch-size", "32", "--lr", "3e-3")}
+    for name, flags in runs.items():
+        code, out, err = specc("train", GPT_TINY, *flags, *layers, "--load", step3, "--train-iters", "4",
+                               "--data-path", corpus, "--run-dir", tmp_path / name, *SMALL)
+        assert code == 0, out + err[-3000:]
+        (line,) = [ln for ln in out.splitlines() if ln.startswith(f"loaded checkpoint {step3} at iteration 3")]
+        assert "'pp': 2" in line and line.endswith(", resharded)")
+        (step4,) = _records(tmp_path / name, "train")
+        (valid,) = _records(tmp_path / name, "eval")
+        assert step4["iteration"] == valid["iteration"] == 4
+        assert step4["loss"] == pytest.approx(trained[-1]["loss"], rel=1e-5), name
+        # after one Adam step from the loaded moments (a fresh optimizer would step differently)
+        assert valid["loss"] == pytest.approx(evaluated["loss"], rel=1e-4), name
 
 
 def test_the_pipeline_flags_and_their_errors(specc, corpus, tmp_path):
