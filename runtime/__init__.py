@@ -32,6 +32,7 @@ from .mappings import (
 from .moe import MoELayer
 from .parallel_state import Group, ProcessGroups
 from .random import RNGTracker
+from .activation_recompute import recompute
 from .te import TEColumnParallelLinear, TELayerNorm, TERMSNorm, TERowParallelLinear
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "full_parameter",
     "gather_full",
     "RNGTracker",
+    "recompute",
     "mark_tp_partial_grad",
     "mark_partial_grad",
     "partial_grad_axes",

@@ -26,15 +26,18 @@ __all__ = ["build_model", "compile_source", "load_generated", "load_module_from_
 
 def compile_source(spec_path: str, tp: int, sp: bool = False, backend: str = "auto", overrides=(),
                    micro_batch_size: int = 1, dtype: str = "fp32", fuse: bool = True, cp: int = 1,
-                   cp_comm_type: str = "auto", ep: int = 1):
-    """(model.py source, spec, graph) for a spec at these settings, compiled in memory."""
+                   cp_comm_type: str = "auto", ep: int = 1, recompute: dict | None = None):
+    """(model.py source, spec, graph) for a spec at these settings, compiled in memory. `recompute`:
+    Settings' recompute fields (specc.args.recompute_from), e.g. {"recompute_granularity": "selective"}."""
     settings = Settings(tp=tp, sp=sp and tp > 1, backend=backend, micro_batch_size=micro_batch_size, dtype=dtype,
-                        fuse=fuse, cp=cp, cp_comm_type=cp_comm_type if cp > 1 else "auto", ep=ep)
+                        fuse=fuse, cp=cp, cp_comm_type=cp_comm_type if cp > 1 else "auto", ep=ep,
+                        **(recompute or {}))
     located = [(k, v, Loc(f"--set {k}={v}")) for k, v in dict(overrides).items()]
     spec, graph = load_and_compile(spec_path, settings, located)
     command = f"specc compile {spec_path} --tp {tp}" + (" --sp" if settings.sp else "") + (
         f" --cp {cp}" if cp > 1 else "") + (f" --cp-comm-type {settings.cp_comm_type}" if settings.cp_comm_type != "auto" else "") + (
         f" --ep {ep}" if ep > 1 else "")
+    command += "".join(f" --{k.replace('_', '-')} {v}" for k, v in settings.recompute_dict().items() if v is not None)
     return emit_model(graph, command), spec, graph
 
 

@@ -20,18 +20,40 @@ class Settings:
     cp: int = 1  # context-parallel size: the sequence sharded over cp ranks outside attention
     cp_comm_type: str = "auto"  # attention over CP: p2p (ring) | all_gather | auto (the cost model)
     ep: int = 1  # expert-model-parallel size: the experts split over ep of the data-parallel ranks
+    # activation recompute, Megatron's flags: None | full (whole layers from their input) | selective
+    # (the attention core); full: uniform (groups of num_layers layers) | block (the first num_layers)
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
 
     def describe(self) -> str:
         cp = f" cp={self.cp} cp_comm_type={self.cp_comm_type}" if self.cp > 1 else ""
         cp += f" ep={self.ep}" if self.ep > 1 else ""
         return (f"tp={self.tp}{cp} sp={'on' if self.sp else 'off'} backend={self.backend} "
-                f"micro_batch_size={self.micro_batch_size} dtype={self.dtype} fuse={'on' if self.fuse else 'off'}")
+                f"micro_batch_size={self.micro_batch_size} dtype={self.dtype} fuse={'on' if self.fuse else 'off'}"
+                + self.describe_recompute())
+
+    def describe_recompute(self) -> str:
+        if self.recompute_granularity is None:
+            return ""
+        if self.recompute_granularity == "selective":
+            return " recompute=selective"
+        return f" recompute=full/{self.recompute_method}/{self.recompute_num_layers}"
 
     def as_dict(self) -> dict:
         """The settings as plain data (a generated folder's SETTINGS), in a fixed key order."""
         return {"tp": self.tp, "sp": self.sp, "backend": self.backend, "micro_batch_size": self.micro_batch_size,
                 "dtype": self.dtype, "fuse": self.fuse, "cp": self.cp, "cp_comm_type": self.cp_comm_type,
-                **({"ep": self.ep} if self.ep > 1 else {})}  # absent at 1: earlier folders read the same
+                **({"ep": self.ep} if self.ep > 1 else {}),  # absent at 1: earlier folders read the same
+                **self.recompute_dict()}
+
+    def recompute_dict(self) -> dict:
+        """The recompute settings, only when recompute is on (folders compiled without it keep
+        their SETTINGS)."""
+        if self.recompute_granularity is None:
+            return {}
+        return {"recompute_granularity": self.recompute_granularity, "recompute_method": self.recompute_method,
+                "recompute_num_layers": self.recompute_num_layers}
 
 
 @dataclass
@@ -86,6 +108,8 @@ class ModuleDef:
     returns: list
     loc: Loc
     description: str = ""
+    recompute: str | None = None  # full | selective: every call of this module is recomputed in backward
+    recompute_loc: Loc | None = None
 
 
 @dataclass

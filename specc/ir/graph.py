@@ -91,6 +91,7 @@ class Graph:
         self._insert_point = None  # op id new ops go before; None: the end
         self._id_counts: dict[str, int] = {}
         self._calls_of: dict[str, set] = {}  # value id -> call scopes that bind it
+        self.recompute = None  # passes.recompute.Recompute: what backward runs again (set by the last pass)
 
     # -- module calls ------------------------------------------------------------------------
     def set_call(self, scope: str, args: list, outs: list) -> None:

@@ -85,6 +85,10 @@ class OpKind:
     impls = ("native",)
     nonlinear = False  # a partial sum must never reach it
     any_cut = False  # works feature by feature on S(h): a shard cut by segments will do (elementwise ops)
+    # selective recompute runs this op again in backward, keeping only its inputs: an op whose kept
+    # tensors are large next to its FLOPs (the attention core's s x s scores; Korthikanti et al. 2022).
+    # Its call must be its submodule applied to its inputs (`self.name(a, b)`), so it can be wrapped.
+    selective_recompute = False
 
     # -- checks and shapes -------------------------------------------------------------
     def check(self, attrs: dict, locs: dict, ctx: Ctx) -> None:
