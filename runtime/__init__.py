@@ -3,6 +3,7 @@
 The base layer: nothing here imports the compiler (specc) or specc_torch, the layer above both
 that compiles specs in memory, verifies and launches training (tests/test_layering.py)."""
 
+from .activation_recompute import recompute
 from .activations import gelu, split, swiglu
 from .api import build_model
 from .comm import CommCounter, CommRecord, all_gather_into_tensor, all_reduce, reduce_scatter_tensor
@@ -32,7 +33,6 @@ from .mappings import (
 from .moe import MoELayer
 from .parallel_state import Group, ProcessGroups
 from .random import RNGTracker
-from .activation_recompute import recompute
 from .te import TEColumnParallelLinear, TELayerNorm, TERMSNorm, TERowParallelLinear
 
 __all__ = [
