@@ -51,7 +51,7 @@ class ConfigError(Exception):
 # -- configuration from the command line -----------------------------------------------------------
 
 def config_from_args(args) -> TrainConfig:
-    from specc.args import overrides_from
+    from specc.args import overrides_from, recompute_from
 
     overrides = {key: value for key, value, _ in overrides_from(args)}
     return TrainConfig(
@@ -73,7 +73,8 @@ def config_from_args(args) -> TrainConfig:
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         bf16=args.bf16, seed=args.seed, device=args.device,
-        torch_compile=args.torch_compile_backend if args.torch_compile else None)
+        torch_compile=args.torch_compile_backend if args.torch_compile else None,
+        recompute=recompute_from(args))
 
 
 def data_config_from_args(args) -> DataConfig:
@@ -111,7 +112,7 @@ def compile_model(cfg: TrainConfig):
     source, spec, _ = compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=overrides,
                                      micro_batch_size=cfg.micro_batch_size,
                                      dtype="bf16" if cfg.bf16 else "fp32", cp=cfg.parallel.cp,
-                                     cp_comm_type=cfg.parallel.cp_comm_type)
+                                     cp_comm_type=cfg.parallel.cp_comm_type, recompute=cfg.recompute)
     return source, spec
 
 

@@ -100,6 +100,9 @@ class TrainConfig:
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     torch_compile: str | None = None  # a torch.compile backend for each repeated layer (None: eager)
+    # activation recompute, Megatron's flags as the compiler's settings: {} (none), or
+    # recompute_granularity (full | selective), recompute_method, recompute_num_layers
+    recompute: dict = field(default_factory=dict)
 
     @property
     def num_micro_batches(self) -> int:

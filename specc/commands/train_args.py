@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..args import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError
+from ..args import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError, recompute_flags
 from .data import add_tokenizer_arguments
 
 LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
@@ -70,6 +70,8 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    help="torch.compile each repeated layer (regionally, as torchtitan does)")
     g.add_argument("--torch-compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"),
                    help="the torch.compile backend (default inductor)")
+
+    recompute_flags(p)
 
     g = p.add_argument_group("optimizer (AdamW) and learning rate")
     g.add_argument("--lr", type=float, default=1.0e-3)
