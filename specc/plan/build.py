@@ -112,6 +112,7 @@ def _recompute(graph, raw: list) -> None:
             e.notes.append(f"recompute {region.granularity}")
         e.saved = sum(b for _, b in e.saved_items)
         e.backward = list(e.forward) + list(e.backward)  # the recompute repeats the forward's collectives
+        e.recomputed = True
 
 
 def _local_shapes(graph, op) -> tuple:
@@ -253,6 +254,10 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
     if expert_params:  # data-parallel over the expert-data-parallel group (dp / ep ranks)
         totals["expert_parameters"] = expert_params
         totals["expert_optimizer_bytes"] = expert_params * OPT_BYTES[settings.dtype]
+    if graph.recompute is not None and graph.recompute.regions:
+        # what recompute adds: the recomputed regions' forward, run again in backward (not model
+        # FLOPs: MFU leaves it out; hardware FLOPs count it)
+        totals["recompute_flops"] = sum(e.flops[0] for e in raw if getattr(e, "recomputed", False))
     return totals
 
 
