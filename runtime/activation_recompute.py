@@ -26,12 +26,30 @@ def recompute(function, *args, rng_tracker: RNGTracker | None = None):
         return function(*args)
 
     def contexts():
-        if rng_tracker is None:
-            return contextlib.nullcontext(), contextlib.nullcontext()
-        return contextlib.nullcontext(), rng_tracker.replaying(rng_tracker.snapshot())
+        replay = rng_tracker.replaying(rng_tracker.snapshot()) if rng_tracker is not None else contextlib.nullcontext()
+        return contextlib.nullcontext(), _recomputing_block(replay)
 
     with set_checkpoint_early_stop(False):
         return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
+
+
+_RECOMPUTING = [0]  # recomputes in progress (nested checkpoints recompute inside one another)
+
+
+def recomputing() -> bool:
+    """True while a recompute runs a forward again: state a forward accumulates (the MoE router's
+    token counts for bias balancing) must count the first run only."""
+    return _RECOMPUTING[0] > 0
+
+
+@contextlib.contextmanager
+def _recomputing_block(inner):
+    _RECOMPUTING[0] += 1
+    try:
+        with inner:
+            yield
+    finally:
+        _RECOMPUTING[0] -= 1
 
 
 class _Chain:

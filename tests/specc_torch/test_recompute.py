@@ -172,3 +172,24 @@ def _kept_bytes(recompute):
 def test_plan_activation_memory_is_what_autograd_keeps(recompute):
     plan, measured = _kept_bytes(recompute)
     assert measured == plan
+
+
+def test_recompute_counts_the_routed_tokens_of_a_forward_once():
+    """State a forward accumulates (the MoE router's token counts for bias balancing) must not
+    count the recompute's second run: the counts, loss and gradients equal those without it."""
+    spec = os.path.join(ROOT, "specs", "mixtral-tiny.yaml")
+    overrides = {"modules.TransformerLayer.submodules.mlp.expert_bias": True}
+    runs = []
+    for recompute in (None, FULL):
+        text, s, graph = api.compile_source(spec, 1, overrides=overrides, micro_batch_size=2, recompute=recompute)
+        model = api.load_module_from_source(text, s.name).build_model(ProcessGroups.single(), seed=3)
+        g = torch.Generator().manual_seed(0)
+        loss = model(*[torch.randint(0, 64, (2, graph.values[v].shape[1]), generator=g) for v in graph.inputs])
+        loss.mean().backward()
+        counts = {n: b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")}
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}, counts))
+    (loss_a, grads_a, counts_a), (loss_b, grads_b, counts_b) = runs
+    assert counts_a and all(torch.equal(counts_a[n], counts_b[n]) for n in counts_a)
+    assert counts_a[next(iter(counts_a))].sum() > 0
+    assert torch.allclose(loss_a, loss_b, atol=1e-6) and all(torch.allclose(grads_a[n], grads_b[n], atol=1e-6)
+                                                             for n in grads_a)
