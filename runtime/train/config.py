@@ -52,6 +52,10 @@ class DataConfig:
     # WEIGHT PREFIX ...); None: the embedded stdlib corpus (or --mock-data)
     data_path: str | list | None = None
     split: str = "969,30,1"  # train,valid[,test] weights over documents, as Megatron's --split
+    # Megatron's per-split datasets (each a prefix or a blend list), instead of data_path and split
+    train_data_path: str | list | None = None
+    valid_data_path: str | list | None = None
+    test_data_path: str | list | None = None
     mock_data: bool = False  # seeded random tokens, no files
     # the tokenizer (Megatron's --tokenizer-type and its files): it sizes the model's vocabulary
     tokenizer_type: str | None = None
@@ -201,8 +205,14 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"--split {cfg.data.split}: {e}")
     if cfg.data.make_vocab_size_divisible_by < 1:
         errors.append(f"--make-vocab-size-divisible-by must be at least 1, got {cfg.data.make_vocab_size_divisible_by}")
-    if cfg.data.mock_data and cfg.data.data_path is not None:
+    per_split = [cfg.data.train_data_path, cfg.data.valid_data_path, cfg.data.test_data_path]
+    if cfg.data.mock_data and (cfg.data.data_path is not None or any(p is not None for p in per_split)):
         errors.append("--mock-data and --data-path: give one (mock data reads no files)")
+    elif cfg.data.data_path is not None and any(p is not None for p in per_split):
+        errors.append("--data-path and --train-data-path/--valid-data-path/--test-data-path: give one (--data-path "
+                      "is split by --split; the others are a dataset per split)")
+    elif cfg.data.train_data_path is None and any(p is not None for p in per_split):
+        errors.append("--valid-data-path/--test-data-path need --train-data-path")
     if cfg.seed < 0:
         errors.append(f"--seed must be at least 0, got {cfg.seed}")
     if cfg.device not in ("auto", "cpu", "cuda"):

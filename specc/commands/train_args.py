@@ -92,6 +92,9 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    "library's sources, byte tokenizer, prepared into RUN_DIR/data)")
     g.add_argument("--split", default="969,30,1", metavar="TRAIN,VALID[,TEST]",
                    help="train, valid, test weights over each dataset's documents (default 969,30,1)")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="+", default=None, metavar="PREFIX",
+                       help=f"the {split} split's own dataset or blend, read whole (instead of --data-path and --split)")
     g.add_argument("--mock-data", action="store_true", help="seeded random tokens instead of a dataset (no files)")
 
     g = p.add_argument_group("tokenizer (sizes the model's vocabulary; the data is already tokenized)")
