@@ -244,7 +244,8 @@ class _Emitter:
 
     def _ctx(self, op) -> EmitCtx:
         tied = f"self.{self.g.ops[op.tied_to].attr_name}.weight" if op.tied_to else ""
-        return EmitCtx(tp=self.tp, cp=self.cp, tied_expr=tied)
+        return EmitCtx(tp=self.tp, cp=self.cp, tied_expr=tied,
+                       in_segments=[tuple(self.g.values[v].segments) for v in op.inputs])
 
     def _constructor(self, op) -> str | None:
         return OPS[op.kind].constructor(op, self._ctx(op))

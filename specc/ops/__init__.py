@@ -4,6 +4,7 @@ from .attention import CoreAttention, Rotary
 from .base import Attr, Ctx, LayoutRule, OpKind, Weight
 from .boundary import BoundaryOp
 from .elementwise import Add, Dropout, Gelu, Mul, Silu, Split, Swiglu
+from .elementwise import Geglu, Glu, Reglu, Relu, Scale, Softcap, SquaredRelu  # noqa: I001 - activations, gated units, scale
 from .embedding import Embedding, PositionEmbedding
 from .linear import BiasAdd, Linear
 from .loss import CrossEntropy
@@ -12,7 +13,8 @@ from .norm import LayerNorm, RMSNorm
 
 _ALL = (Linear(), BiasAdd(), Embedding(), PositionEmbedding(), LayerNorm(), RMSNorm(), Gelu(), Silu(), Swiglu(),
         Dropout(), Split(), Add(), Mul(), Rotary(), CoreAttention(), CrossEntropy(), BoundaryOp(),
-        MoE())
+        MoE(),
+        Relu(), SquaredRelu(), Glu(), Geglu(), Reglu(), Scale(), Softcap())
 OPS = {op.name: op for op in _ALL}
 # what a spec may name with `op:` (builtins come from `+` and `*`; bias_add is made by the compiler)
 SPEC_OPS = {n: op for n, op in OPS.items() if not getattr(op, "builtin", False) and not getattr(op, "internal", False)}

@@ -210,6 +210,7 @@ class EmitCtx:
     tp: int = 1
     cp: int = 1
     tied_expr: str = ""  # the Python expression of the weight a tied op shares
+    in_segments: list = field(default_factory=list)  # per input: the segments its S(h) shards are cut by
 
 
 def need_divisible(value: int, by: int, what: str, loc: Loc, hint: str = "", axis: str = "tp") -> None:
