@@ -3,8 +3,22 @@
 from .attention import CoreAttention, Rotary
 from .base import Attr, Ctx, LayoutRule, OpKind, Weight
 from .boundary import BoundaryOp
-from .elementwise import Add, Dropout, Gelu, Mul, Silu, Split, Swiglu
-from .elementwise import Geglu, Glu, Reglu, Relu, Scale, Softcap, SquaredRelu  # noqa: I001 - activations, gated units, scale
+from .elementwise import (
+        Add,
+        Dropout,
+        Geglu,
+        Gelu,
+        Glu,
+        Mul,
+        Reglu,
+        Relu,
+        Scale,
+        Silu,
+        Softcap,
+        Split,
+        SquaredRelu,
+        Swiglu,
+)
 from .embedding import Embedding, PositionEmbedding
 from .linear import BiasAdd, Linear
 from .loss import CrossEntropy
