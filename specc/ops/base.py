@@ -48,6 +48,7 @@ class LayoutRule:
     accepts_reduction: bool = False  # may a partial sum P be reduced right before it
     partial_ok: bool = False  # P in, P out (a linear op such as add)
     joined_inputs: tuple | None = None  # which inputs take part in the join (default: all)
+    prefer: str | None = None  # the placement its joined inputs should arrive in when its outputs are fixed
 
 
 @dataclass

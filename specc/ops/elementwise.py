@@ -111,7 +111,7 @@ class Glu(_Activation):
     gate+up linear with two segments, sharded segment by segment) or from two values (separate
     gate and up linears). Elementwise per feature, so any TP shard of its halves will do."""
 
-    name = "glu"
+    name = "gated_linear_unit"
     doc = ("act(gate) * up, from one [gate | up] value (halves its last dim) or from two values gate, up; "
            "activation: " + " | ".join(ACTIVATIONS) + ".")
     attrs = (Attr("activation", "str", required=True, choices=ACTIVATIONS,

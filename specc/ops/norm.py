@@ -70,6 +70,9 @@ class _Norm(OpKind):
         stats = numel(x) // x[-1] * max(elt, 4)  # one fp32 sum of squares per token
         return [("all_reduce", stats)], [("all_reduce", stats)]
 
+    def out_segments(self, attrs, in_segments):
+        return in_segments[0] if in_segments else ()  # feature by feature: a fused value stays fused
+
     def saved_bytes(self, node, local_in, local_out, elt):
         return [(node.inputs[0], numel(local_in[0]) * elt)]
 
