@@ -152,6 +152,12 @@ class OpKind:
         """Which dim of each output is the sequence (activations are sequence-first)."""
         return [in_seq_dims[0] if in_seq_dims else 0] * self.out_count(attrs)
 
+    def impl_unsupported(self, attrs: dict, impl: str) -> str:
+        """Why `impl` cannot compute this op with these attributes ("" when it can): resolve then
+        refuses it where the spec pinned it, and falls back to native where it was only asked
+        for (auto, --backend)."""
+        return ""
+
     def choices(self, attrs: dict, settings) -> dict:
         """Implementation choices made at resolve time, as attributes (name_resolved, name_reason)."""
         return {}

@@ -88,10 +88,9 @@ class _Norm(OpKind):
         a = node.attrs
         kw = [f"eps={a['eps']!r}"] + self.options(a)
         sharded = node.in_layouts and node.in_layouts[0]["tp"] == "S(h)" and ctx.tp > 1
-        if node.impl == "te" and (a.get("head_dim") or sharded or not self.te_ok(a)):
-            raise SpecError(node.loc, f"{node.id}: impl 'te' cannot normalize " +
-                            ("per head" if a.get("head_dim") else "a tensor-parallel shard" if sharded else
-                             "without a bias"), "use impl: native on it")
+        if node.impl == "te" and sharded:  # the layout is known only now: the spec pins native there
+            raise SpecError(node.loc, f"{node.id}: impl 'te' cannot normalize over a tensor-parallel shard of its "
+                            "input (the sum of squares needs an all-reduce)", "use impl: native on it")
         if a.get("head_dim"):
             kw.append(f"head_dim={a['head_dim']}")
             segments = ctx.in_segments[0] if sharded and ctx.in_segments else ()
@@ -106,6 +105,15 @@ class _Norm(OpKind):
                 kw.append(f"segments={list(segments)}")
         te = "TE" if node.impl == "te" else ""
         return f"runtime.{te}{self.runtime_class}({a['hidden_size']}, {', '.join(kw)})"
+
+    def impl_unsupported(self, attrs, impl):
+        if impl != "te":
+            return ""
+        if attrs.get("head_dim"):
+            return "cannot normalize per head (TransformerEngine's norms span the whole last dim)"
+        if not self.te_ok(attrs):
+            return "cannot normalize without a bias"
+        return ""
 
     def options(self, attrs) -> list:
         return ["zero_centered_gamma=True"] if attrs.get("zero_centered_gamma") else []

@@ -27,10 +27,12 @@ TOL = 1e-4
 SETTINGS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
 
 
-def _parity_on_ranks(rank, world, cases):
+def _parity_on_ranks(rank, world, cases, sources):
     """On 4 ranks: for each TP size a fresh grid of TP groups, every family loaded into it with
-    and without SP; the largest logit and loss differences from transformers' per setting."""
+    and without SP; the largest logit and loss differences from transformers' per setting. The
+    modules were compiled once in the parent (`sources`), not once per rank."""
     from runtime.checkpoint import load_checkpoint
+    from specc_torch.api import load_module_from_source
 
     out = {}
     for tp in (1, 2, 4):
@@ -38,7 +40,8 @@ def _parity_on_ranks(rank, world, cases):
         try:
             for sp in (False, True) if tp > 1 else (False,):
                 for family, ckpt, expected, expected_loss in cases:
-                    model = specc_torch.build_model(SPECS[family], pg, seed=123, sp=sp)
+                    text, name = sources[family, tp, sp]
+                    model = load_module_from_source(text, name).build_model(pg, seed=123)
                     load_checkpoint(ckpt, model, pg)
                     logits, loss = specc_logits(model, pg)
                     out[family, tp, sp] = ((logits - expected).abs().max().item(),
@@ -49,14 +52,19 @@ def _parity_on_ranks(rank, world, cases):
 
 
 def test_every_family_matches_transformers_at_tp_1_2_4_with_and_without_sp(gloo, tmp_path):
-    cases = []
+    from specc_torch.api import compile_source
+
+    cases, sources = [], {}
     for family in FAMILIES:
         hf_dir, ckpt = str(tmp_path / family / "hf"), str(tmp_path / family / "ckpt")
         model = save_hf(family, hf_dir, seed=11)
         expected = hf_logits(model)
         import_hf(hf_dir, SPECS[family], ckpt)
         cases.append((family, ckpt, expected, hf_loss(expected)))
-    results = gloo.run(4, _parity_on_ranks, cases)
+        for tp, sp in SETTINGS:
+            text, spec, _ = compile_source(SPECS[family], tp, sp)
+            sources[family, tp, sp] = (text, spec.name)
+    results = gloo.run(4, _parity_on_ranks, cases, sources)
     for rank, diffs in enumerate(results):
         assert sorted(diffs) == sorted((f, tp, sp) for f in FAMILIES for tp, sp in SETTINGS)
         for (family, tp, sp), (logit_diff, loss_diff) in diffs.items():
