@@ -57,7 +57,8 @@ def config_from_args(args) -> TrainConfig:
     return TrainConfig(
         spec=args.spec,
         overrides=overrides,
-        parallel=ParallelConfig(tp=args.tp, sp=args.sp, cp=args.cp, cp_comm_type=args.cp_comm_type, pp=args.pp),
+        parallel=ParallelConfig(tp=args.tp, sp=args.sp, cp=args.cp, cp_comm_type=args.cp_comm_type, pp=args.pp,
+                                ep=args.ep, etp=args.etp),
         optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                                   clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
@@ -115,7 +116,8 @@ def compile_model(cfg: TrainConfig):
     source, spec, _ = compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=overrides,
                                      micro_batch_size=cfg.micro_batch_size,
                                      dtype="bf16" if cfg.bf16 else "fp32", cp=cfg.parallel.cp,
-                                     cp_comm_type=cfg.parallel.cp_comm_type, recompute=cfg.recompute)
+                                     cp_comm_type=cfg.parallel.cp_comm_type, recompute=cfg.recompute,
+                                     ep=cfg.parallel.ep)
     return source, spec
 
 
@@ -485,7 +487,8 @@ def run(cfg: TrainConfig, stream=None) -> int:
     if world > 1 and not dist.is_initialized():
         init_process_group("nccl" if device.type == "cuda" else "gloo")
         initialized_here = True
-    pg = ProcessGroups.initialize(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp) if world > 1 \
+    pg = ProcessGroups.initialize(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp, ep=cfg.parallel.ep) \
+        if world > 1 \
         else ProcessGroups.single()
     reporter = NullReporter()
     try:

@@ -23,6 +23,8 @@ class ParallelConfig:
     cp_comm_type: str = "auto"  # attention over the CP group: auto (the cost model), p2p (ring), all_gather
     pp: int = 1
     dp: int = 1  # derived from the world size by `resolve`
+    ep: int = 1  # expert-model-parallel: carved out of the DP ranks (Megatron), so it must divide dp
+    etp: int | None = None  # expert-tensor-parallel: must equal tp (experts are sharded over the TP ranks)
 
 
 @dataclass
@@ -131,6 +133,9 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
     elif par.cp_comm_type != "auto" and par.cp == 1:
         errors.append("--cp-comm-type has no effect without context parallelism (add --context-parallel-size N, "
                       "or drop --cp-comm-type)")
+    if par.etp is not None and par.etp != par.tp:
+        errors.append(f"--expert-tensor-parallel-size {par.etp} differs from --tensor-model-parallel-size {par.tp}: "
+                      "experts are sharded over the tensor-parallel ranks (drop it, or give the TP size)")
     if par.pp > 1:
         errors.append(f"--pipeline-model-parallel-size {par.pp}: pipeline parallelism is not implemented (use 1)")
     if par.sp and par.tp == 1:
@@ -144,6 +149,11 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
                       f"{model_parallel} (world = TP*CP*DP*PP)")
     elif not errors:
         par.dp = world_size // model_parallel
+        if par.ep < 1 or par.dp % par.ep:
+            errors.append(f"--expert-model-parallel-size {par.ep} must divide the data-parallel size {par.dp} "
+                          f"(expert parallelism is carved out of the data-parallel ranks: world = TP*CP*DP*PP)")
+        elif par.ep > 1 and par.cp > 1:
+            errors.append("--expert-model-parallel-size with --context-parallel-size is not supported yet")
 
     if cfg.micro_batch_size < 1:
         errors.append(f"--micro-batch-size must be at least 1, got {cfg.micro_batch_size}")

@@ -41,6 +41,10 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    "(default 1)")
     g.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("auto", "p2p", "all_gather"), default="auto",
                    help="attention over the context-parallel group: p2p (ring), all_gather, or auto (the cost model)")
+    g.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int, default=1, metavar="N",
+                   help="MoE experts split over N of the data-parallel ranks (default 1)")
+    g.add_argument("--expert-tensor-parallel-size", dest="etp", type=int, default=None, metavar="N",
+                   help="tensor parallelism inside each expert: equals --tensor-model-parallel-size here")
     g.add_argument("--pipeline-model-parallel-size", dest="pp", type=int, default=1, metavar="N", help="must be 1")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard Adam state and fp32 master weights over the data-parallel ranks")
