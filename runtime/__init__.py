@@ -3,7 +3,8 @@
 The base layer: nothing here imports the compiler (specc) or specc_torch, the layer above both
 that compiles specs in memory, verifies and launches training (tests/test_layering.py)."""
 
-from .activations import gelu, split, swiglu
+from .activation_recompute import recompute
+from .activations import gelu, glu, scale, softcap, split, squared_relu, swiglu
 from .api import build_model
 from .comm import CommCounter, CommRecord, all_gather_into_tensor, all_reduce, reduce_scatter_tensor
 from .cross_entropy import vocab_parallel_cross_entropy
@@ -65,6 +66,10 @@ __all__ = [
     "Dropout",
     "gelu",
     "swiglu",
+    "glu",
+    "squared_relu",
+    "scale",
+    "softcap",
     "split",
     "vocab_parallel_cross_entropy",
     "ParamInit",
@@ -74,6 +79,7 @@ __all__ = [
     "full_parameter",
     "gather_full",
     "RNGTracker",
+    "recompute",
     "mark_tp_partial_grad",
     "mark_partial_grad",
     "partial_grad_axes",

@@ -6,9 +6,52 @@ import torch
 import torch.nn.functional as F
 
 
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    """Exact (erf) GELU."""
-    return F.gelu(x, approximate="none")
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU: exact (erf), or approximate="tanh" (GPT-2's gelu_new, HF's gelu_pytorch_tanh)."""
+    return F.gelu(x, approximate=approximate)
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (Primer; Megatron's squared_relu)."""
+    return torch.pow(F.relu(x), 2)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "squared_relu": squared_relu,
+}
+
+
+def glu(*x: torch.Tensor, activation: str) -> torch.Tensor:
+    """A gated unit: act(gate) * up, from one [gate | up] value (halved along the last dim, as
+    swiglu) or from two values gate, up. A column-parallel gate+up projection is sharded per
+    segment, so its local output is [gate_local | up_local] and this works on shards unchanged."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"glu activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    if len(x) == 1:
+        if x[0].shape[-1] % 2 != 0:
+            raise ValueError(f"glu needs an even last dim, got {x[0].shape[-1]}")
+        gate, up = x[0].chunk(2, dim=-1)
+    elif len(x) == 2:
+        gate, up = x
+    else:
+        raise ValueError(f"glu takes [gate | up] or gate, up; got {len(x)} tensors")
+    return ACTIVATIONS[activation](gate) * up
+
+
+def scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x * factor, the factor rounded to x's dtype first (as Hugging Face Gemma scales its
+    embeddings by sqrt(hidden) held in the activation dtype)."""
+    return x * torch.tensor(factor, dtype=x.dtype, device=x.device)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): values bounded smoothly to (-cap, cap) (Gemma 2's logits and
+    attention scores), computed in Hugging Face's order."""
+    return torch.tanh(x / cap) * cap
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:

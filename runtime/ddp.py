@@ -19,6 +19,11 @@ same order. The gradients are averaged: each bucket is scaled by 1/DP before the
 optimizer); `"reduce_scatter"` leaves each rank only its shard of every bucket (the distributed
 optimizer steps on that shard and all-gathers the parameters back into the parameter buffer).
 
+Expert weights of a mixture of experts (runtime.moe.is_expert_param) are replicated over the
+expert-data-parallel group only (`pg.edp`, DP / EP ranks): they get buckets of their own, reduced
+(or reduce-scattered) over that group, still scaled by 1/DP, since each expert-parallel rank's
+experts already hold the gradient of every token routed to them.
+
 A tied weight (word embedding and output layer) is one Parameter used twice: autograd sums both
 uses into its one `.grad` before the hook runs, so it is reduced once and stays tied.
 """
@@ -44,6 +49,7 @@ class Bucket:
     end: int
     params: list = field(default_factory=list)
     pending: int = 0  # parameters whose gradient has not arrived in this synchronized backward
+    group: object = None  # the data-parallel group it is reduced over (dp; edp for expert weights)
     launched: bool = False
     handle: object = None
     shard_out: torch.Tensor | None = None  # reduce-scatter output, copied into the buffer on finish
@@ -76,23 +82,29 @@ class DistributedDataParallel(nn.Module):
         self.param_dtype = params[0].dtype
         device = params[0].device
 
-        # Layout: reverse registration order, buckets of about bucket_size, padded to DP.
-        self.params = list(reversed(params))
+        # Layout: reverse registration order, buckets of about bucket_size, padded to their group's
+        # size; expert weights in buckets of their own (after the dense ones).
+        from .moe import is_expert_param
+
+        dense = [p for p in reversed(params) if not is_expert_param(p)]
+        experts = [p for p in reversed(params) if is_expert_param(p)]
+        self.params = dense + experts
         self.buckets: list[Bucket] = []
         self.param_range: dict[nn.Parameter, tuple[int, int]] = {}
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         offset = 0
-        current = Bucket(index=0, start=0, end=0)
-        for p in self.params:
-            self.param_range[p] = (offset, offset + p.numel())
-            current.params.append(p)
-            self._bucket_of[p] = current
-            offset += p.numel()
-            if offset - current.start >= bucket_size:
+        for group, members in ((pg.dp, dense), (pg.edp, experts)):
+            current = Bucket(index=len(self.buckets), start=offset, end=offset, group=group)
+            for p in members:
+                self.param_range[p] = (offset, offset + p.numel())
+                current.params.append(p)
+                self._bucket_of[p] = current
+                offset += p.numel()
+                if offset - current.start >= bucket_size:
+                    offset = self._close(current, offset)
+                    current = Bucket(index=len(self.buckets), start=offset, end=offset, group=group)
+            if current.params:
                 offset = self._close(current, offset)
-                current = Bucket(index=len(self.buckets), start=offset, end=offset)
-        if current.params:
-            offset = self._close(current, offset)
         self.numel = offset
 
         self.param_buffer = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
@@ -111,7 +123,8 @@ class DistributedDataParallel(nn.Module):
         self._reset_buckets()
 
     def _close(self, bucket: Bucket, offset: int) -> int:
-        padded = bucket.start + -(-(offset - bucket.start) // self.dp.size) * self.dp.size
+        size = bucket.group.size
+        padded = bucket.start + -(-(offset - bucket.start) // size) * size
         bucket.end = padded
         self.buckets.append(bucket)
         return padded
@@ -154,14 +167,17 @@ class DistributedDataParallel(nn.Module):
         self._next_launch = bucket.index + 1
         if self.dp.size == 1:
             return
+        group = bucket.group
         flat = self.grad_buffer[bucket.start:bucket.end]
-        flat.mul_(1.0 / self.dp.size)
+        flat.mul_(1.0 / self.dp.size)  # the mean over DP, for expert weights too
+        if group.size == 1:
+            return
         if self.grad_reduce == "all_reduce":
-            bucket.handle = comm.all_reduce(flat, self.dp, async_op=True)
+            bucket.handle = comm.all_reduce(flat, group, async_op=True)
         else:
-            bucket.shard_out = torch.empty((bucket.end - bucket.start) // self.dp.size, dtype=flat.dtype,
+            bucket.shard_out = torch.empty((bucket.end - bucket.start) // group.size, dtype=flat.dtype,
                                            device=flat.device)
-            bucket.handle = comm.reduce_scatter_tensor(bucket.shard_out, flat, self.dp, async_op=True)
+            bucket.handle = comm.reduce_scatter_tensor(bucket.shard_out, flat, group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Start the buckets not yet started (all of them without overlap; those holding a
@@ -173,7 +189,7 @@ class DistributedDataParallel(nn.Module):
             if bucket.handle is not None:
                 bucket.handle.wait()
             if bucket.shard_out is not None:
-                lo, hi = bucket.shard_range(self.dp.rank, self.dp.size)
+                lo, hi = bucket.shard_range(bucket.group.rank, bucket.group.size)
                 self.grad_buffer[lo:hi].copy_(bucket.shard_out)
         self._reset_buckets()
 
@@ -196,4 +212,4 @@ class DistributedDataParallel(nn.Module):
         """The buffer ranges whose reduced gradient this rank holds after finish_grad_sync."""
         if self.grad_reduce == "all_reduce":
             return [(b.start, b.end) for b in self.buckets]
-        return [b.shard_range(self.dp.rank, self.dp.size) for b in self.buckets]
+        return [b.shard_range(b.group.rank, b.group.size) for b in self.buckets]

@@ -254,35 +254,115 @@ class PositionEmbedding(nn.Module):
         return rows.unsqueeze(1).expand(s, b, self.weight.shape[1])
 
 
-class LayerNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the TP group that every rank then uses: all-reduce forward, and all-reduce the
+    gradient backward (each rank's part reaches every rank's result)."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        out = x.contiguous().clone()
+        comm.all_reduce(out, tp)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, ctx.tp)
+        return grad, None
+
+
+class _Norm(nn.Module):
+    """Shared by LayerNorm and RMSNorm: the weight ([hidden] or [head_dim] with head_dim, held as
+    (weight - 1) with zero_centered_gamma), per-head reshapes, statistics in at least fp32."""
+
+    def __init__(self, hidden_size: int, eps: float, zero_centered_gamma: bool, head_dim: int | None,
+                 bias: bool):
         super().__init__()
-        self.eps = eps
-        self.weight = tag_parameter(nn.Parameter(torch.empty(hidden_size)), "ones")
-        self.bias = tag_parameter(nn.Parameter(torch.empty(hidden_size)), "zeros")
+        if head_dim is not None and hidden_size % head_dim:
+            raise ValueError(f"hidden_size {hidden_size} is not a multiple of head_dim {head_dim}")
+        self.hidden_size, self.eps, self.head_dim = hidden_size, eps, head_dim
+        self.zero_centered_gamma = zero_centered_gamma
+        size = head_dim or hidden_size
+        gain = "zeros" if zero_centered_gamma else "ones"
+        self.weight = tag_parameter(nn.Parameter(torch.empty(size)), gain)
+        self.bias = tag_parameter(nn.Parameter(torch.empty(size)), "zeros") if bias else None
         with torch.no_grad():  # usable before init_parameters, e.g. in tests
-            self.weight.fill_(1.0)
-            self.bias.zero_()
+            self.weight.fill_(0.0 if zero_centered_gamma else 1.0)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def gain(self, dtype, weight=None) -> torch.Tensor:
+        w = (self.weight if weight is None else weight).to(dtype)
+        return w + 1.0 if self.zero_centered_gamma else w
+
+    def per_head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head_dim is None:
+            return x
+        if x.shape[-1] % self.head_dim:
+            raise ValueError(f"last dim {x.shape[-1]} is not a multiple of head_dim {self.head_dim}")
+        return x.reshape(*x.shape[:-1], x.shape[-1] // self.head_dim, self.head_dim)
+
+    def extra_repr(self) -> str:
+        extra = f", head_dim={self.head_dim}" if self.head_dim else ""
+        extra += ", zero_centered_gamma=True" if self.zero_centered_gamma else ""
+        return f"{self.hidden_size}, eps={self.eps}{extra}"
+
+
+class LayerNorm(_Norm):
+    """LayerNorm over the last dim, or over each head of `head_dim` (one weight for all heads);
+    without a bias when bias=False; scaled by (1 + weight) with zero_centered_gamma."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *, bias: bool = True, zero_centered_gamma: bool = False,
+                 head_dim: int | None = None):
+        super().__init__(hidden_size, eps, zero_centered_gamma, head_dim, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in (at least) fp32 for low-precision inputs.
         dtype = _at_least_fp32(x.dtype)
-        y = F.layer_norm(x.to(dtype), self.weight.shape, self.weight.to(dtype), self.bias.to(dtype), self.eps)
-        return y.to(x.dtype)
+        h = self.per_head(x.to(dtype))
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        y = F.layer_norm(h, self.weight.shape, self.gain(dtype), bias, self.eps)
+        return y.reshape(x.shape).to(x.dtype)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = tag_parameter(nn.Parameter(torch.empty(hidden_size)), "ones")
-        with torch.no_grad():
-            self.weight.fill_(1.0)
+class RMSNorm(_Norm):
+    """RMSNorm over the last dim, or over each head of `head_dim`; scaled by (1 + weight) with
+    zero_centered_gamma.
+
+    With `tp`, the input is this rank's shard of the last dim (S(h): q's or k's local heads) and
+    the norm is over the full width: the per-token sum of squares is all-reduced over tp. The
+    weight stays whole on every rank (its gradient is then partial over TP) and each rank uses the
+    slice of its features: of every segment when the shard is cut by `segments` (full sizes)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, zero_centered_gamma: bool = False,
+                 head_dim: int | None = None, tp: Group | None = None, segments=None):
+        super().__init__(hidden_size, eps, zero_centered_gamma, head_dim, bias=False)
+        self.tp = tp if tp is not None and tp.size > 1 and head_dim is None else None
+        self.features = None  # (start, end) of this rank's features in the full width
+        if self.tp is not None:
+            segments = [int(n) for n in (segments or [hidden_size])]
+            if sum(segments) != hidden_size:
+                raise ValueError(f"segments {segments} do not sum to hidden_size {hidden_size}")
+            self.features, start = [], 0
+            for n in segments:
+                local = _divide(n, self.tp.size, "segment size")
+                self.features.append((start + self.tp.rank * local, start + (self.tp.rank + 1) * local))
+                start += n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(_at_least_fp32(x.dtype))
-        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(xf.dtype)).to(x.dtype)
+        if self.tp is None:
+            h = self.per_head(xf)
+            y = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+            return (y * self.gain(xf.dtype)).reshape(x.shape).to(x.dtype)
+        local = sum(b - a for a, b in self.features)
+        if x.shape[-1] != local:
+            raise ValueError(f"expected this rank's {local} of {self.hidden_size} features, got last dim {x.shape[-1]}")
+        squares = _AllReduceSum.apply(xf.pow(2).sum(dim=-1, keepdim=True), self.tp)
+        y = xf * torch.rsqrt(squares / self.hidden_size + self.eps)
+        weight = torch.cat([self.weight[a:b] for a, b in self.features]) if len(self.features) > 1 else \
+            self.weight[self.features[0][0]:self.features[0][1]]
+        return (y * self.gain(xf.dtype, weight)).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):

@@ -80,6 +80,25 @@ class RNGTracker:
             raise RuntimeError("cannot set RNG states while a stream is forked")
         self._states = {name: {k: v.clone() for k, v in state.items()} for name, state in states.items()}
 
+    def snapshot(self) -> tuple:
+        """Every stream's state and the TP-invariant mode's call count: what a recomputed forward
+        must start from to draw the masks its first run drew (runtime.recompute)."""
+        return {name: dict(state) for name, state in self._states.items()}, self.calls
+
+    @contextlib.contextmanager
+    def replaying(self, snapshot: tuple):
+        """Run the block from `snapshot` (a recompute in backward: the same dropout masks as the
+        forward it repeats), then put back the streams as they were: the recompute consumes no
+        randomness of the steps after it."""
+        if self._active:
+            raise RuntimeError("cannot replay RNG states while a stream is forked")
+        current = self.snapshot()
+        self._states, self.calls = {name: dict(state) for name, state in snapshot[0].items()}, snapshot[1]
+        try:
+            yield
+        finally:
+            self._states, self.calls = current
+
     def _swap_in(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Install `state` as torch's current generator state; return the one replaced."""
         previous = {"cpu": torch.get_rng_state()}

@@ -79,10 +79,11 @@ class TERowParallelLinear(RowParallelLinear):
 
 
 class TELayerNorm(LayerNorm):
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
-        super().__init__(hidden_size, eps)
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *, zero_centered_gamma: bool = False):
+        super().__init__(hidden_size, eps, zero_centered_gamma=zero_centered_gamma)
         te = import_te()
-        object.__setattr__(self, "_te", _adopt(te.LayerNorm(hidden_size, eps=eps, device=self.weight.device),
+        object.__setattr__(self, "_te", _adopt(te.LayerNorm(hidden_size, eps=eps, zero_centered_gamma=zero_centered_gamma,
+                                                            device=self.weight.device),
                                                weight=self.weight, bias=self.bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,10 +91,11 @@ class TELayerNorm(LayerNorm):
 
 
 class TERMSNorm(RMSNorm):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__(hidden_size, eps)
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, zero_centered_gamma: bool = False):
+        super().__init__(hidden_size, eps, zero_centered_gamma=zero_centered_gamma)
         te = import_te()
-        object.__setattr__(self, "_te", _adopt(te.RMSNorm(hidden_size, eps=eps, device=self.weight.device),
+        object.__setattr__(self, "_te", _adopt(te.RMSNorm(hidden_size, eps=eps, zero_centered_gamma=zero_centered_gamma,
+                                                          device=self.weight.device),
                                                weight=self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -125,6 +125,51 @@ def spec_flags(p: argparse.ArgumentParser, sp_default=False) -> None:
                    help="override a config value (or a dotted path in the spec); repeatable")
     for key, flag in MEGATRON_CONFIG_FLAGS.items():
         g.add_argument(flag, dest=f"cfg_{key}", type=int, default=None, metavar="N", help=argparse.SUPPRESS)
+    recompute_flags(p)
+
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def recompute_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron's activation-recompute flags, with Megatron's meaning (docs/training.md)."""
+    g = p.add_argument_group("activation recompute")
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                   help="full: recompute whole layers from their input in backward; selective: recompute the "
+                   "attention core (its s x s scores are not kept)")
+    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
+                   help="with full: uniform (checkpoint groups of --recompute-num-layers consecutive layers) or "
+                   "block (recompute only the first --recompute-num-layers layers)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
+                   help="with full: layers per recomputed group (uniform) or layers recomputed (block); default 1")
+
+
+def recompute_from(args) -> dict:
+    """The recompute settings of parsed flags, Megatron's rules checked: one located line naming
+    the flag for a combination that has no meaning."""
+    granularity = getattr(args, "recompute_granularity", None)
+    method = getattr(args, "recompute_method", None)
+    layers = getattr(args, "recompute_num_layers", None)
+    if granularity is None:
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers)):
+            if value is not None:
+                raise SpecError(Loc(f"{flag} {value}"), "has no effect without --recompute-granularity full",
+                                "add --recompute-granularity full, or drop it")
+        return {}
+    if granularity == "selective":
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers)):
+            if value is not None:
+                raise SpecError(Loc(f"{flag} {value}"), "applies to --recompute-granularity full only (selective "
+                                "recomputes the attention core of every layer)", f"drop {flag}")
+        return {"recompute_granularity": "selective"}
+    if method is None:
+        raise SpecError(Loc("--recompute-granularity full"), "needs --recompute-method uniform or block",
+                        "uniform: groups of --recompute-num-layers layers; block: the first N layers only")
+    layers = 1 if layers is None else layers
+    if layers < 1:
+        raise SpecError(Loc(f"--recompute-num-layers {layers}"), "must be at least 1")
+    return {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": layers}
 
 
 def pipeline_flags(g) -> None:
@@ -167,7 +212,8 @@ def settings_from(args):
                     micro_batch_size=args.micro_batch_size, dtype=args.dtype, fuse=args.fuse, cp=args.cp,
                     cp_comm_type=args.cp_comm_type, pp=args.pp, pp_virtual_stage_layers=args.pp_virtual_stage_layers,
                     pp_first_stage_layers=args.pp_first_stage_layers, pp_last_stage_layers=args.pp_last_stage_layers,
-                    pp_layout=args.pp_layout, ep=getattr(args, "ep", 1))
+                    pp_layout=args.pp_layout, ep=getattr(args, "ep", 1),
+                    **recompute_from(args))
 
 
 def check_expert_parallel(args) -> None:

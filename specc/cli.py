@@ -13,6 +13,8 @@ from .args import (
     ArgumentParser,
     UsageError,
     overrides_from,
+    recompute_flags,
+    recompute_from,
     settings_from,
     spec_flags,
 )
@@ -115,6 +117,7 @@ def cmd_verify(args) -> int:
     sps = {"on": [True], "off": [False], "both": [False, True]}[args.sp_mode]
     located = overrides_from(args)
     overrides = {key: value for key, value, _ in located}
+    recompute = recompute_from(args)
     from .frontend.model import Settings
     from .pipeline import load_and_compile
 
@@ -126,7 +129,7 @@ def cmd_verify(args) -> int:
             for ep in eps:
                 for sp in sps if tp > 1 else [False]:
                     load_and_compile(args.spec, Settings(tp=tp, sp=sp, cp=cp, micro_batch_size=args.batch,
-                                                         dtype="fp32", ep=ep), located)
+                                                         dtype="fp32", ep=ep, **recompute), located)
             for sp in sps if tp > 1 else [False]:
                 for pp in [x for x in pps if x > 1]:
                     for v in virtual:
@@ -158,7 +161,7 @@ def cmd_verify(args) -> int:
                        batch=args.batch, overrides=overrides, tolerance=args.tolerance, mutate=args.mutate,
                        tp_invariant_dropout=args.tp_invariant_dropout, cps=sorted(set([1] + cps)), cp_comm_types=comms,
                        torch_compile=args.torch_compile_backend if args.torch_compile else None,
-                       eps=sorted(set([1] + eps)),
+                       eps=sorted(set([1] + eps)), recompute=recompute,
                        pps=sorted(set(pps)), pp_virtual=virtual, dps=sorted(set(dps)), pp_schedule=args.pp_schedule)
     cp_text = f", cp {','.join(map(str, cfg.cps))} ({args.cp_comm_mode})" if max(cfg.cps) > 1 else ""
     cp_text += f", ep {','.join(map(str, cfg.eps))}" if max(cfg.eps) > 1 else ""
@@ -167,7 +170,9 @@ def cmd_verify(args) -> int:
             (f", dp {','.join(map(str, cfg.dps))}" if max(dps) > 1 else "")
     print(f"specc verify {args.spec}: tp {','.join(map(str, cfg.tps))}{cp_text}, sp {args.sp_mode}, {cfg.steps} steps, "
           f"batch {cfg.batch}, seed {cfg.seed}" + (f", MUTATION {cfg.mutate}" if cfg.mutate else "") +
-          (f", torch.compile ({cfg.torch_compile}) against the eager reference" if cfg.torch_compile else ""), flush=True)
+          (f", torch.compile ({cfg.torch_compile}) against the eager reference" if cfg.torch_compile else "")
+          + (", recompute " + " ".join(str(v) for v in recompute.values() if v is not None) if recompute else ""),
+          flush=True)
     try:
         rows = verify(cfg)
     except RankFailure as e:
@@ -277,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the torch.compile backend (default inductor)")
     for key, flag in MEGATRON_CONFIG_FLAGS.items():
         c.add_argument(flag, dest=f"cfg_{key}", type=int, default=None, help=argparse.SUPPRESS)
+    recompute_flags(c)  # the compiled models recompute; the TP=1 reference does not
     c.set_defaults(func=cmd_verify)
 
     c = sub.add_parser("check", help="fail with a diff when generated/ is stale")

@@ -8,6 +8,7 @@ from .ir import build_graph
 from .passes.optimize import cancel_inverses, fuse_boundaries
 from .passes.parallelize import parallelize
 from .passes.pipeline import cut_pipeline
+from .passes.recompute import mark_recompute
 from .passes.resolve import available, resolve
 
 
@@ -18,6 +19,7 @@ def compile_graph(spec, have=available, lint: bool = False):
     passes = [lambda g: resolve(g, spec.settings, have), lambda g: parallelize(g, spec.settings), cancel_inverses]
     if spec.settings.fuse:
         passes.append(fuse_boundaries)
+    passes.append(mark_recompute)  # last: it reads the final module calls
     if lint:
         graph.lint()
     for run in passes:

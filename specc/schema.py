@@ -45,6 +45,9 @@ def json_schema() -> dict:
                 {"$ref": f"#/$defs/op_{n}"} for n in sorted(SPEC_OPS)]}},
             "forward": {"type": "array", "items": {"type": "string"}, "minItems": 1,
                         "description": "steps like 'y = f(x)', 'y = a + b', ending with 'return y'"},
+            "recompute": {"enum": ["full", "selective"],
+                          "description": "activation recompute: full (every call keeps only its inputs and runs "
+                                         "again in backward) or selective (its attention cores)"},
         },
         "required": ["forward"],
         "additionalProperties": False,

@@ -28,12 +28,15 @@ def compile_source(spec_path: str, tp: int, sp: bool = False, backend: str = "au
                    micro_batch_size: int = 1, dtype: str = "fp32", fuse: bool = True, cp: int = 1,
                    cp_comm_type: str = "auto", pp: int = 1, pp_virtual_stage_layers: int | None = None,
                    pp_first_stage_layers: int | None = None, pp_last_stage_layers: int | None = None,
-                   pp_layout: str | None = None, ep: int = 1):
-    """(model.py source, spec, graph) for a spec at these settings, compiled in memory."""
+                   pp_layout: str | None = None, ep: int = 1,
+                   recompute: dict | None = None):
+    """(model.py source, spec, graph) for a spec at these settings, compiled in memory. `recompute`:
+    Settings' recompute fields (specc.args.recompute_from), e.g. {"recompute_granularity": "selective"}."""
     settings = Settings(tp=tp, sp=sp and tp > 1, backend=backend, micro_batch_size=micro_batch_size, dtype=dtype,
                         fuse=fuse, cp=cp, cp_comm_type=cp_comm_type if cp > 1 else "auto", pp=pp,
                         pp_virtual_stage_layers=pp_virtual_stage_layers, pp_first_stage_layers=pp_first_stage_layers,
-                        pp_last_stage_layers=pp_last_stage_layers, pp_layout=pp_layout, ep=ep)
+                        pp_last_stage_layers=pp_last_stage_layers, pp_layout=pp_layout, ep=ep,
+                        **(recompute or {}))
     located = [(k, v, Loc(f"--set {k}={v}")) for k, v in dict(overrides).items()]
     spec, graph = load_and_compile(spec_path, settings, located)
     command = f"specc compile {spec_path} --tp {tp}" + (" --sp" if settings.sp else "") + (
@@ -41,6 +44,7 @@ def compile_source(spec_path: str, tp: int, sp: bool = False, backend: str = "au
         + (f" --pp {pp}" if pp > 1 else "") + (f" --num-layers-per-virtual-pipeline-stage {pp_virtual_stage_layers}"
                                                if pp_virtual_stage_layers else "") + (
         f" --ep {ep}" if ep > 1 else "")
+    command += "".join(f" --{k.replace('_', '-')} {v}" for k, v in settings.recompute_dict().items() if v is not None)
     return emit_model(graph, command), spec, graph
 
 

@@ -51,7 +51,7 @@ class ConfigError(Exception):
 # -- configuration from the command line -----------------------------------------------------------
 
 def config_from_args(args) -> TrainConfig:
-    from specc.args import overrides_from
+    from specc.args import overrides_from, recompute_from
 
     overrides = {key: value for key, value, _ in overrides_from(args)}
     return TrainConfig(
@@ -61,7 +61,7 @@ def config_from_args(args) -> TrainConfig:
                                 pp_virtual_stage_layers=args.pp_virtual_stage_layers,
                                 pp_first_stage_layers=args.pp_first_stage_layers,
                                 pp_last_stage_layers=args.pp_last_stage_layers, pp_layout=args.pp_layout,
-                                pp_schedule=args.pp_schedule),
+                                pp_schedule=args.pp_schedule, ep=args.ep, etp=args.etp),
         optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                                   clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
@@ -77,12 +77,16 @@ def config_from_args(args) -> TrainConfig:
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         bf16=args.bf16, seed=args.seed, device=args.device,
-        torch_compile=args.torch_compile_backend if args.torch_compile else None)
+        torch_compile=args.torch_compile_backend if args.torch_compile else None,
+        recompute=recompute_from(args))
 
 
 def data_config_from_args(args) -> DataConfig:
-    paths = args.data_path
-    return DataConfig(data_path=paths[0] if paths and len(paths) == 1 else paths, split=args.split,
+    def one(paths):  # a list of one prefix is that prefix
+        return paths[0] if paths and len(paths) == 1 else paths
+
+    return DataConfig(data_path=one(args.data_path), split=args.split, train_data_path=one(args.train_data_path),
+                      valid_data_path=one(args.valid_data_path), test_data_path=one(args.test_data_path),
                       mock_data=args.mock_data, tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
                       tiktoken_pattern=args.tiktoken_pattern,
@@ -119,7 +123,8 @@ def compile_model(cfg: TrainConfig):
                                      pp_virtual_stage_layers=cfg.parallel.pp_virtual_stage_layers,
                                      pp_first_stage_layers=cfg.parallel.pp_first_stage_layers,
                                      pp_last_stage_layers=cfg.parallel.pp_last_stage_layers,
-                                     pp_layout=cfg.parallel.pp_layout)
+                                     pp_layout=cfg.parallel.pp_layout, recompute=cfg.recompute,
+                                     ep=cfg.parallel.ep)
     return source, spec
 
 
@@ -138,7 +143,7 @@ def check(cfg: TrainConfig, world_size: int):
         raise ConfigError(errors)
     _, spec = compile_model(cfg)
     errors = model_rules(cfg, spec.config)
-    if (cfg.data.data_path is not None or cfg.data.mock_data) and not errors:
+    if has_data(cfg) and not errors:
         errors += data_rules(cfg, spec.config)
     if cfg.checkpoint.load is not None and not os.path.isdir(cfg.checkpoint.load):
         errors.append(f"--load {cfg.checkpoint.load}: no such directory")
@@ -235,42 +240,74 @@ def _id_range(corpus):
     return _ID_RANGES[key]
 
 
+def split_paths(cfg: TrainConfig) -> dict | None:
+    """{split: prefix or blend} for Megatron's --train/--valid/--test-data-path (None: not given)."""
+    d = cfg.data
+    if d.train_data_path is None:
+        return None
+    return {"train": d.train_data_path, "valid": d.valid_data_path, "test": d.test_data_path}
+
+
+def has_data(cfg: TrainConfig) -> bool:
+    return cfg.data.data_path is not None or cfg.data.mock_data or cfg.data.train_data_path is not None
+
+
 def data_rules(cfg: TrainConfig, model_config: dict) -> list:
     """The data opens, every token id in it is inside the model's vocabulary (found now, not
     mid-run), and the splits training reads hold a sample each."""
     vocab = model_config["vocab_size"]
     seq = model_config["seq_length"]
-    corpora = open_corpora(cfg.data.data_path, seq, cfg.seed, mock=cfg.data.mock_data, vocab_size=vocab)
+    per_split = split_paths(cfg)
+    if per_split is not None:
+        sources = {name: open_corpora(path, seq, cfg.seed) for name, path in per_split.items() if path is not None}
+    else:
+        sources = {None: open_corpora(cfg.data.data_path, seq, cfg.seed, mock=cfg.data.mock_data, vocab_size=vocab)}
     errors = []
-    for _, corpus in corpora if not cfg.data.mock_data else ():
-        meta = read_sidecar(corpus.prefix)
-        if meta is not None and isinstance(meta.get("vocab_size"), int) and meta["vocab_size"] > vocab:
-            errors.append(f"--data-path {corpus.prefix}: its tokenizer's vocabulary ({meta['vocab_size']}) is larger "
-                          f"than the model's vocab_size ({vocab}); set --set vocab_size={meta['vocab_size']} or more, "
-                          "or give its --tokenizer-type")
-            continue
-        ids = _id_range(corpus)
-        if ids is not None and (ids[0] < 0 or ids[1] >= vocab):
-            bad = ids[0] if ids[0] < 0 else ids[1]
-            errors.append(f"--data-path {corpus.prefix}: {corpus.prefix}.bin holds token id {bad} "
-                          f"({'its smallest' if bad < 0 else 'its largest'}), outside the model's vocabulary of "
-                          f"{vocab} (ids 0..{vocab - 1}); prepare the data with the model's tokenizer, give its "
-                          f"--tokenizer-type, or --set vocab_size={ids[1] + 1} or more")
+    checked = set()
+    for corpora in sources.values() if not cfg.data.mock_data else ():
+        for _, corpus in corpora:
+            if corpus.prefix in checked:
+                continue
+            checked.add(corpus.prefix)
+            errors += _vocabulary_rules(corpus, vocab)
     if errors:
         return errors
-    weights = split_weights(cfg.data.split)
     needed = {"train": 1, "valid": 1 if cfg.eval_iters > 0 else 0}
-    for _, corpus in corpora:
-        ranges = split_documents(corpus.num_documents, weights)
-        for name, least in needed.items():
-            first, end = ranges[name]
+    for name, least in needed.items():
+        if not least:
+            continue
+        if per_split is not None and name not in sources:
+            errors.append(f"--eval-iters {cfg.eval_iters} evaluates on the valid split: give --valid-data-path "
+                          "PREFIX, or --eval-iters 0")
+            continue
+        for _, corpus in sources[name if per_split is not None else None]:
+            first, end = (0, corpus.num_documents) if per_split is not None else \
+                split_documents(corpus.num_documents, split_weights(cfg.data.split))[name]
             tokens = int(corpus.document_lengths[first:end].sum())
-            if least and (tokens - 1) // seq < least:
-                errors.append(f"--data-path {corpus.prefix}: the {name} split (--split {cfg.data.split}) holds "
-                              f"{end - first} of its {corpus.num_documents} documents, {tokens} tokens: not one "
+            if (tokens - 1) // seq < least:
+                where = f"--{name}-data-path {corpus.prefix}: it" if per_split is not None else \
+                    f"--data-path {corpus.prefix}: the {name} split (--split {cfg.data.split})"
+                errors.append(f"{where} holds {end - first} of its {corpus.num_documents} documents, {tokens} "
+                              f"tokens: not one "
                               f"sample of --seq-length {seq} + 1"
                               + ("; set --eval-iters 0 or give it a larger share" if name == "valid" else ""))
     return errors
+
+
+def _vocabulary_rules(corpus, vocab: int) -> list:
+    meta = read_sidecar(corpus.prefix)
+    if meta is not None and isinstance(meta.get("vocab_size"), int) and meta["vocab_size"] > vocab:
+        return [f"--data-path {corpus.prefix}: its tokenizer's vocabulary ({meta['vocab_size']}) is larger than the "
+                f"model's vocab_size ({vocab}); set --set vocab_size={meta['vocab_size']} or more, or give its "
+                "--tokenizer-type"]
+    ids = _id_range(corpus)
+    if ids is not None and (ids[0] < 0 or ids[1] >= vocab):
+        bad = ids[0] if ids[0] < 0 else ids[1]
+        return [f"--data-path {corpus.prefix}: {corpus.prefix}.bin holds token id {bad} "
+                f"({'its smallest' if bad < 0 else 'its largest'}), outside the model's vocabulary of {vocab} "
+                f"(ids 0..{vocab - 1}); prepare the data with the model's tokenizer, give its --tokenizer-type, or "
+                f"--set vocab_size={ids[1] + 1} or more"]
+    return []
 
 
 DEFAULT_DATA = os.path.join("data", "stdlib_text_document")
@@ -320,7 +357,7 @@ def launch(args) -> int:
             raise ConfigError(launch_errors)
         world = args.nproc_per_node * args.nnodes
         check(cfg, world)
-        if cfg.data.data_path is None and not cfg.data.mock_data:
+        if not has_data(cfg):
             cfg.data.data_path = default_data(cfg.logging.run_dir, log=lambda m: print(m, file=sys.stderr))
             check(cfg, world)
     except (ConfigError, SpecError, DataError) as e:
@@ -457,11 +494,12 @@ def run(cfg: TrainConfig, stream=None) -> int:
     if world > 1 and not dist.is_initialized():
         init_process_group("nccl" if device.type == "cuda" else "gloo")
         initialized_here = True
-    pg = ProcessGroups.initialize(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp) if world > 1 \
+    pg = ProcessGroups.initialize(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp, ep=cfg.parallel.ep) \
+        if world > 1 \
         else ProcessGroups.single()
     reporter = NullReporter()
     try:
-        if cfg.data.data_path is None and not cfg.data.mock_data:  # by hand without --data-path: one preparer per node
+        if not has_data(cfg):  # launched by hand without --data-path: one preparer per node
             path = os.path.join(cfg.logging.run_dir, DEFAULT_DATA)
             if local_rank == 0:
                 default_data(cfg.logging.run_dir, log=lambda m: print(m, file=sys.stderr) if rank == 0 else None)
@@ -475,7 +513,8 @@ def run(cfg: TrainConfig, stream=None) -> int:
         setup = setup_model_and_optimizer(cfg, pg, device, compiled=compile_model(cfg))
         seq = setup.spec.config["seq_length"]
         datasets = build_datasets(cfg.data.data_path, seq, cfg.seed, split_weights(cfg.data.split),
-                                  mock=cfg.data.mock_data, vocab_size=setup.spec.config["vocab_size"])
+                                  mock=cfg.data.mock_data, vocab_size=setup.spec.config["vocab_size"],
+                                  split_paths=split_paths(cfg))
         append = bool(load and not weights_only) or restart > 0
         if rank == 0:  # a resumed run (or a restarted one) appends to its metrics; a new one starts afresh
             reporter = Reporter(cfg.logging.run_dir, cfg.train_iters, cfg.logging.log_interval,
@@ -591,8 +630,12 @@ def _report_setup(reporter, cfg: TrainConfig, setup, pg, datasets) -> None:
     kind = f"distributed over DP={pg.dp.size}" if opt.distributed else "replicated"
     reporter.info(f"optimizer state per rank (measured): {measured / 2**20:.3f} MiB, {kind}; a replicated optimizer "
                   f"holds {replicated / 2**20:.3f} MiB (ratio {measured / replicated:.3f}, 1/DP = {1 / pg.dp.size:.3f})")
-    source = "mock data (seeded random tokens)" if cfg.data.mock_data else " ".join(
-        (f"{w:g} {p}" if w is not None else p) for w, p in parse_blend(cfg.data.data_path))
+    def blend(path) -> str:
+        return " ".join((f"{w:g} {p}" if w is not None else p) for w, p in parse_blend(path))
+
+    per_split = split_paths(cfg)
+    source = "mock data (seeded random tokens)" if cfg.data.mock_data else blend(cfg.data.data_path) \
+        if per_split is None else "; ".join(f"{name} {blend(p)}" for name, p in per_split.items() if p is not None)
     vocab = setup.spec.config["vocab_size"]
     padded = (f"; vocabulary {vocab} ({cfg.data.tokenizer_type}, padded to a multiple of "
               f"{cfg.data.make_vocab_size_divisible_by} x TP {cfg.parallel.tp})") if cfg.data.padded_vocab_size else ""

@@ -64,6 +64,9 @@ class VerifyConfig:
     cp_comm_types: list = field(default_factory=lambda: ["auto"])  # attention over CP: p2p, all_gather, auto
     torch_compile: str | None = None  # a torch.compile backend for the checked models' layers (the reference is eager)
     eps: list = field(default_factory=lambda: [1])  # expert-model-parallel sizes (carved out of the DP ranks)
+    # activation recompute of the compiled models (Settings' recompute fields); the reference never
+    # recomputes, so a pass shows recompute changes nothing
+    recompute: dict = field(default_factory=dict)
 
     pps: list = field(default_factory=lambda: [1])  # pipeline sizes (each with every TP/CP setting)
     pp_virtual: list = field(default_factory=lambda: [None])  # layers per virtual stage (None: not interleaved)
@@ -76,6 +79,7 @@ class VerifyConfig:
         """With expert parallelism every DP rank gets its own batches (the EP group's ranks must hold
         different tokens for the all-to-alls to be tested), and gradients are averaged over DP."""
         return max(self.eps) > 1
+
 
 
 @dataclass
@@ -476,12 +480,14 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
     world = dist.get_world_size()
     for tp, cp, comm, sp, ep in _settings(cfg):
         setting = f"tp={tp}" + (f" cp={cp}" + (f" {comm}" if comm != "auto" else "") if cp > 1 else "") + \
-            (f" ep={ep} dp={world // (tp * cp)}" if cfg.data_parallel else "") + f" sp={'on' if sp else 'off'}"
+            (f" ep={ep} dp={world // (tp * cp)}" if cfg.data_parallel else "") + f" sp={'on' if sp else 'off'}" \
+            + _recompute_text(cfg.recompute)
         pg = ProcessGroups.initialize(tp=tp, cp=cp, ep=ep)
         dp_batches = pg.dp.size if cfg.data_parallel else 1
         try:
             text, spec_t, graph_t = api.compile_source(cfg.spec, tp, sp, overrides=cfg.overrides,
-                                                       micro_batch_size=cfg.batch, cp=cp, cp_comm_type=comm, ep=ep)
+                                                       micro_batch_size=cfg.batch, cp=cp, cp_comm_type=comm, ep=ep,
+                                                       recompute=cfg.recompute)
             if cfg.mutate and tp * cp * ep > 1:
                 text, applied = mutate_source(text, cfg.mutate)
                 if not applied:
@@ -658,6 +664,15 @@ def _settings(cfg: VerifyConfig) -> list:
                     for sp in (cfg.sps if tp > 1 else [False]):
                         out.append((tp, cp, comm, sp, ep))
     return out
+
+
+def _recompute_text(recompute: dict) -> str:
+    granularity = recompute.get("recompute_granularity")
+    if granularity is None:
+        return ""
+    if granularity == "selective":
+        return " recompute=selective"
+    return f" recompute=full/{recompute['recompute_method']}/{recompute['recompute_num_layers']}"
 
 
 def _world(cfg: VerifyConfig) -> int:

@@ -164,11 +164,14 @@ def _file_owner(name: str, world: int) -> int:
 # -- what a model and a state hold ---------------------------------------------------------------
 
 def _layout(pg: ProcessGroups) -> dict:
-    return {"tp": pg.tp.size, "cp": pg.cp.size, "dp": pg.dp.size, "pp": pg.pp.size, "world_size": pg.world_size}
+    layout = {"tp": pg.tp.size, "cp": pg.cp.size, "dp": pg.dp.size, "pp": pg.pp.size, "world_size": pg.world_size}
+    if pg.ep.size > 1:  # experts split over the DP ranks: another layout of the same world
+        layout["ep"] = pg.ep.size
+    return layout
 
 
 def _describe(layout: dict) -> str:
-    return " ".join(f"{k}={layout[k]}" for k in ("tp", "cp", "dp", "pp") if k in layout)
+    return " ".join(f"{k}={layout[k]}" for k in ("tp", "cp", "dp", "pp", "ep") if k in layout)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

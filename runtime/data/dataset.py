@@ -18,6 +18,9 @@ lags its weight most (Megatron's build_blending_indices: argmax_k w_k * max(j, 1
 first on ties), and is that dataset's next sample. Prefixes without weights blend by their
 token counts.
 
+Per-split datasets (--train-data-path, --valid-data-path, --test-data-path, Megatron's): each
+split reads all documents of its own prefix (or blend), --split aside.
+
 Mock data (--mock-data): 100,000 documents of 1 .. 2 x seq_length tokens, lengths and tokens
 drawn from the seed (uniform ids below the vocabulary size); no files.
 
@@ -233,19 +236,39 @@ def open_corpora(data_path, seq_length: int, seed: int, mock: bool = False, voca
     return corpora
 
 
+class _NoData:
+    """A split without a dataset (--valid-data-path or --test-data-path not given)."""
+
+    def __init__(self, name: str):
+        self.prefix = f"--{name}-data-path (not given)"
+        self.document_lengths = np.zeros(0, dtype=np.int64)
+        self.num_documents = self.num_tokens = 0
+
+
 def build_datasets(data_path, seq_length: int, seed: int, weights, mock: bool = False,
-                   vocab_size: int | None = None) -> dict:
+                   vocab_size: int | None = None, split_paths: dict | None = None) -> dict:
     """{'train': dataset, 'valid': ..., 'test': ...}: a GPTDataset for one prefix (or mock data),
-    a BlendedDataset of each prefix's split for several."""
-    corpora = open_corpora(data_path, seq_length, seed, mock, vocab_size)
+    a BlendedDataset of each prefix's split for several. With split_paths ({split: --data-path
+    list or None}, Megatron's --train-data-path/--valid-data-path/--test-data-path) each split
+    reads its own datasets whole and `weights` is not used."""
     out = {}
+    if split_paths is not None and any(v is not None for v in split_paths.values()):
+        for name in SPLITS:
+            path = split_paths.get(name)
+            corpora = open_corpora(path, seq_length, seed) if path is not None else [(None, _NoData(name))]
+            out[name] = _split(corpora, name, lambda c: (0, c.num_documents), seq_length, seed)
+        return out
+    corpora = open_corpora(data_path, seq_length, seed, mock, vocab_size)
     for name in SPLITS:
-        parts = [GPTDataset(c, split_documents(c.num_documents, weights)[name], seq_length, seed, name, index=k)
-                 for k, (_, c) in enumerate(corpora)]
-        if len(parts) == 1:
-            out[name] = parts[0]
-        else:
-            given = [w for w, _ in corpora]
-            mix = given if given[0] is not None else [float(c.num_tokens) for _, c in corpora]
-            out[name] = BlendedDataset(parts, mix, name)
+        out[name] = _split(corpora, name, lambda c: split_documents(c.num_documents, weights)[name], seq_length,
+                           seed)
     return out
+
+
+def _split(corpora: list, name: str, documents, seq_length: int, seed: int):
+    parts = [GPTDataset(c, documents(c), seq_length, seed, name, index=k) for k, (_, c) in enumerate(corpora)]
+    if len(parts) == 1:
+        return parts[0]
+    given = [w for w, _ in corpora]
+    mix = given if given[0] is not None else [float(c.num_tokens) for _, c in corpora]
+    return BlendedDataset(parts, mix, name)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
+from ..activation_recompute import recomputing
 from ..init import tag_parameter
 from ..parallel_state import Group
 
@@ -85,7 +86,7 @@ class TopKRouter(nn.Module):
         routed = torch.zeros_like(scores).scatter(1, expert_ids, 1.0)  # [T, E] routing map
         if kept is not None:
             routed = torch.zeros_like(scores).scatter(1, expert_ids, kept.to(scores.dtype))
-        if self.expert_bias is not None and self.training:
+        if self.expert_bias is not None and self.training and not recomputing():  # count each forward once
             with torch.no_grad():
                 self.tokens_per_expert += routed.sum(0)
         self.last_losses = {}

@@ -29,6 +29,7 @@ import torch
 from .. import comm
 from ..ddp import DistributedDataParallel
 from ..init import is_tied_copy
+from ..moe import is_expert_param
 from ..parallel_state import ProcessGroups
 
 
@@ -38,6 +39,7 @@ class _Segment:
     length: int
     decay: bool  # weight decay applies (matrices; not biases or norm weights)
     in_norm: bool  # counted in the global grad norm on this rank
+    expert: bool = False  # an expert weight: other expert-parallel ranks hold other experts
 
 
 class _Range:
@@ -77,8 +79,8 @@ class Adam:
             meta = getattr(p, "_specc_init", None)
             sharded = meta is not None and meta.shard_dim is not None and meta.tp_size > 1
             # a weight tied across pipeline stages counts once: on the first stage, not its copy
-            counted = (sharded or tp_rank0) and not is_tied_copy(p)
-            out.append(_Segment(offset=a - lo, length=b - a, decay=p.dim() > 1, in_norm=counted))
+            out.append(_Segment(offset=a - lo, length=b - a, decay=p.dim() > 1,
+                                in_norm=(sharded or tp_rank0) and not is_tied_copy(p), expert=is_expert_param(p)))
         return out
 
     # -- memory ----------------------------------------------------------------------------------------
@@ -99,17 +101,21 @@ class Adam:
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (reduced) gradients, each parameter counted once."""
-        total = torch.zeros(1, dtype=torch.float64, device=self.ddp.grad_buffer.device)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.ddp.grad_buffer.device)  # dense, expert
         for r in self.ranges:
             for s in r.segments:
                 if s.in_norm:
                     g = r.grad[s.offset:s.offset + s.length]
-                    total += torch.dot(g, g).double()
-        comm.all_reduce(total, self.pg.tp)
-        if self.distributed:
-            comm.all_reduce(total, self.pg.dp)
-        comm.all_reduce(total, self.pg.pp)  # every stage's parameters
-        return math.sqrt(total.item())
+                    sums[int(s.expert)] += torch.dot(g, g).double()
+        comm.all_reduce(sums, self.pg.tp)
+        if self.distributed:  # every DP rank holds distinct shards (of its experts' buckets: over edp)
+            comm.all_reduce(sums, self.pg.dp)
+        elif self.pg.ep.size > 1:  # each expert-parallel rank holds its own experts' gradients
+            expert = sums[1:].clone()
+            comm.all_reduce(expert, self.pg.ep)
+            sums[1:] = expert
+        comm.all_reduce(sums, self.pg.pp)  # every stage's parameters
+        return math.sqrt(sums.sum().item())
 
     @torch.no_grad()
     def step(self, lr: float) -> tuple[float, bool]:
@@ -143,10 +149,9 @@ class Adam:
         return norm, True
 
     def _all_gather_params(self) -> None:
-        dp = self.ddp.dp
         for bucket, r in zip(self.ddp.buckets, self.ranges):
             # The input is this rank's part of the output: gather from a copy.
-            comm.all_gather_into_tensor(self.ddp.param_buffer[bucket.start:bucket.end], r.param.clone(), dp)
+            comm.all_gather_into_tensor(self.ddp.param_buffer[bucket.start:bucket.end], r.param.clone(), bucket.group)
 
     # -- checkpoints -----------------------------------------------------------------------------------
 

@@ -28,6 +28,8 @@ class ParallelConfig:
     pp_layout: str | None = None
     pp_schedule: str | None = None  # runtime.pipeline.SCHEDULES; None: 1f1b (interleaved_1f1b with V > 1)
     dp: int = 1  # derived from the world size by `resolve`
+    ep: int = 1  # expert-model-parallel: carved out of the DP ranks (Megatron), so it must divide dp
+    etp: int | None = None  # expert-tensor-parallel: must equal tp (experts are sharded over the TP ranks)
 
 
 @dataclass
@@ -57,6 +59,10 @@ class DataConfig:
     # WEIGHT PREFIX ...); None: the embedded stdlib corpus (or --mock-data)
     data_path: str | list | None = None
     split: str = "969,30,1"  # train,valid[,test] weights over documents, as Megatron's --split
+    # Megatron's per-split datasets (each a prefix or a blend list), instead of data_path and split
+    train_data_path: str | list | None = None
+    valid_data_path: str | list | None = None
+    test_data_path: str | list | None = None
     mock_data: bool = False  # seeded random tokens, no files
     # the tokenizer (Megatron's --tokenizer-type and its files): it sizes the model's vocabulary
     tokenizer_type: str | None = None
@@ -105,6 +111,9 @@ class TrainConfig:
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     torch_compile: str | None = None  # a torch.compile backend for each repeated layer (None: eager)
+    # activation recompute, Megatron's flags as the compiler's settings: {} (none), or
+    # recompute_granularity (full | selective), recompute_method, recompute_num_layers
+    recompute: dict = field(default_factory=dict)
 
     @property
     def num_micro_batches(self) -> int:
@@ -129,6 +138,9 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
     elif par.cp_comm_type != "auto" and par.cp == 1:
         errors.append("--cp-comm-type has no effect without context parallelism (add --context-parallel-size N, "
                       "or drop --cp-comm-type)")
+    if par.etp is not None and par.etp != par.tp:
+        errors.append(f"--expert-tensor-parallel-size {par.etp} differs from --tensor-model-parallel-size {par.tp}: "
+                      "experts are sharded over the tensor-parallel ranks (drop it, or give the TP size)")
     if par.pp_schedule is not None and par.pp == 1:
         errors.append("--pipeline-schedule has no effect without pipeline parallelism (add "
                       "--pipeline-model-parallel-size N, or drop it)")
@@ -143,6 +155,11 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
                       f"{model_parallel} (world = TP*CP*DP*PP)")
     elif not errors:
         par.dp = world_size // model_parallel
+        if par.ep < 1 or par.dp % par.ep:
+            errors.append(f"--expert-model-parallel-size {par.ep} must divide the data-parallel size {par.dp} "
+                          f"(expert parallelism is carved out of the data-parallel ranks: world = TP*CP*DP*PP)")
+        elif par.ep > 1 and par.cp > 1:
+            errors.append("--expert-model-parallel-size with --context-parallel-size is not supported yet")
 
     if cfg.micro_batch_size < 1:
         errors.append(f"--micro-batch-size must be at least 1, got {cfg.micro_batch_size}")
@@ -208,8 +225,14 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"--split {cfg.data.split}: {e}")
     if cfg.data.make_vocab_size_divisible_by < 1:
         errors.append(f"--make-vocab-size-divisible-by must be at least 1, got {cfg.data.make_vocab_size_divisible_by}")
-    if cfg.data.mock_data and cfg.data.data_path is not None:
+    per_split = [cfg.data.train_data_path, cfg.data.valid_data_path, cfg.data.test_data_path]
+    if cfg.data.mock_data and (cfg.data.data_path is not None or any(p is not None for p in per_split)):
         errors.append("--mock-data and --data-path: give one (mock data reads no files)")
+    elif cfg.data.data_path is not None and any(p is not None for p in per_split):
+        errors.append("--data-path and --train-data-path/--valid-data-path/--test-data-path: give one (--data-path "
+                      "is split by --split; the others are a dataset per split)")
+    elif cfg.data.train_data_path is None and any(p is not None for p in per_split):
+        errors.append("--valid-data-path/--test-data-path need --train-data-path")
     if cfg.seed < 0:
         errors.append(f"--seed must be at least 0, got {cfg.seed}")
     if cfg.device not in ("auto", "cpu", "cuda"):

@@ -78,13 +78,17 @@ class Reporter:
     # -- iterations ------------------------------------------------------------------------------------
 
     def train(self, *, iteration: int, consumed_samples: int, lr: float, loss: float, grad_norm: float,
-              step_time: float, tokens: int, batch_size: int, memory_mb: float, skipped: bool) -> None:
+              step_time: float, tokens: int, batch_size: int, memory_mb: float, skipped: bool,
+              aux_losses: dict | None = None) -> None:
         if self._first_iteration is None:
             self._first_iteration, self._first_time = iteration - 1, time.monotonic() - step_time
         record = {"kind": "train", "iteration": iteration, "consumed_samples": consumed_samples, "lr": lr,
                   "loss": loss, "grad_norm": grad_norm, "step_time_s": step_time,
                   "tokens_per_s": tokens / step_time if step_time > 0 else None, "memory_mb": memory_mb,
                   "skipped": skipped, "time": time.time()}
+        for name, value in sorted((aux_losses or {}).items()):  # MoE: logged beside the LM loss
+            record[name] = value
+            self._tb.scalars(iteration, {name.replace("_", " "): value})
         self._metrics.write(metrics_line(record))
         self._tb.scalars(iteration, {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
                                      "throughput/tokens-per-second": record["tokens_per_s"],
@@ -110,7 +114,8 @@ class Reporter:
             f"consumed samples: {last['consumed_samples']:>12d} | elapsed time per iteration (ms): {step * 1000:.1f} | "
             f"tokens per second: {tokens / step:.1f} | learning rate: {last['lr']:.6E} | "
             f"global batch size: {batch_size:>5d} | lm loss: {loss:.6E} | grad norm: {last['grad_norm']:.3f} | "
-            f"max memory (MB): {last['memory_mb']:.1f} | number of skipped iterations: {skipped:>3d} |")
+            f"max memory (MB): {last['memory_mb']:.1f} | number of skipped iterations: {skipped:>3d} |"
+            + "".join(f" {k.replace('_', ' ')}: {last[k]:.6E} |" for k in ("load_balancing_loss", "z_loss") if k in last))
 
     def evaluation(self, *, iteration: int, loss: float, split: str = "validation") -> None:
         ppl = math.exp(min(loss, 20.0))

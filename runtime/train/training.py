@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .. import api, comm
+from .. import api, comm, moe
 from ..compile import compile_layers
 from ..ddp import DistributedDataParallel
 from ..grads import finalize_model_grads
@@ -114,6 +114,7 @@ class StepResult:
     loss: float  # mean over the global batch (all micro-batches, all DP ranks)
     grad_norm: float
     applied: bool  # False: a non-finite gradient norm skipped the update
+    aux_losses: dict = None  # MoE auxiliary losses (load_balancing_loss, z_loss), summed over layers, mean as loss
 
 
 def _autocast(setup: Setup, bf16: bool):
@@ -129,7 +130,9 @@ def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, 
     ddp = setup.ddp
     ddp.zero_grad_buffer()
     n = len(micro_batches)
+    moe.set_aux_loss_scale(setup.model, 1.0 / n)  # the auxiliary losses weigh as the LM loss / n
     total = torch.zeros((), dtype=torch.float32, device=setup.device)
+    aux: dict = {}  # the MoE auxiliary losses, mean over the micro-batches
     if setup.pipeline is not None:
         # the schedule runs every micro-batch's forward and backward on this rank's stages; the
         # data-parallel reduction waits for finalize_model_grads (after the tied-weight sum)
@@ -142,15 +145,26 @@ def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, 
                 loss = setup.forward_step(ddp, batch)
             (loss / n).backward()
         total += loss.detach()
+        for name, value in moe.aux_losses(setup.model).items():
+            aux[name] = aux.get(name, 0.0) + value / n
     finalize_model_grads(setup.model, pg, ddp)
     grad_norm, applied = setup.optimizer.step(lr)
+    if applied:
+        moe.update_expert_biases(setup.model, pg.dp)
     mean = (total / n).reshape(1)
     # A CP model returns the whole sequence's per-token loss on every CP rank (it gathers it):
     # the loss is reduced over DP only, never over CP.
     if pg.dp.size > 1:
         comm.all_reduce(mean, pg.dp)
         mean /= pg.dp.size
-    return StepResult(mean.item(), grad_norm, applied)
+    aux_means = {}
+    if aux:  # each CP rank holds its tokens' part: summed over CP, then the mean over DP
+        names = sorted(aux)
+        values = torch.stack([torch.as_tensor(aux[k], dtype=torch.float32) for k in names]).to(setup.device)
+        comm.all_reduce(values, pg.cp)
+        comm.all_reduce(values, pg.dp)
+        aux_means = {k: v / pg.dp.size for k, v in zip(names, values.tolist())}
+    return StepResult(mean.item(), grad_norm, applied, aux_means)
 
 
 @torch.no_grad()
@@ -229,7 +243,7 @@ def train(setup: Setup, datasets: dict, cfg: TrainConfig, pg: ProcessGroups, rep
         reporter.train(iteration=iteration, consumed_samples=state.consumed_samples, lr=lr, loss=result.loss,
                        grad_norm=result.grad_norm, step_time=step_time, tokens=tokens_per_step,
                        batch_size=cfg.global_batch_size, memory_mb=max_memory_mb(setup.device),
-                       skipped=not result.applied)
+                       skipped=not result.applied, **({"aux_losses": result.aux_losses} if result.aux_losses else {}))
         if cfg.eval_iters > 0 and iteration % cfg.eval_interval == 0:
             reporter.evaluation(iteration=iteration, loss=evaluate(setup, datasets["valid"], cfg, pg))
             evaluated_at = iteration

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..args import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError
+from ..args import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError, recompute_flags
 from .data import add_tokenizer_arguments
 
 LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
@@ -41,6 +41,10 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    "(default 1)")
     g.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("auto", "p2p", "all_gather"), default="auto",
                    help="attention over the context-parallel group: p2p (ring), all_gather, or auto (the cost model)")
+    g.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int, default=1, metavar="N",
+                   help="MoE experts split over N of the data-parallel ranks (default 1)")
+    g.add_argument("--expert-tensor-parallel-size", dest="etp", type=int, default=None, metavar="N",
+                   help="tensor parallelism inside each expert: equals --tensor-model-parallel-size here")
     from ..args import pipeline_flags
 
     pipeline_flags(g)
@@ -76,6 +80,8 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--torch-compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"),
                    help="the torch.compile backend (default inductor)")
 
+    recompute_flags(p)
+
     g = p.add_argument_group("optimizer (AdamW) and learning rate")
     g.add_argument("--lr", type=float, default=1.0e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
@@ -95,6 +101,9 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    "library's sources, byte tokenizer, prepared into RUN_DIR/data)")
     g.add_argument("--split", default="969,30,1", metavar="TRAIN,VALID[,TEST]",
                    help="train, valid, test weights over each dataset's documents (default 969,30,1)")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="+", default=None, metavar="PREFIX",
+                       help=f"the {split} split's own dataset or blend, read whole (instead of --data-path and --split)")
     g.add_argument("--mock-data", action="store_true", help="seeded random tokens instead of a dataset (no files)")
 
     g = p.add_argument_group("tokenizer (sizes the model's vocabulary; the data is already tokenized)")

@@ -84,6 +84,7 @@ class _Emitter:
         self.order: list = []  # signatures, children before parents
         self.names: dict = {}  # module name -> count of classes made for it
         self.items = self._items_by_scope()
+        self.recompute = graph.recompute if graph.recompute is not None and graph.recompute.regions else None
 
     # -- structure --------------------------------------------------------------------------
     def _items_by_scope(self) -> dict:
@@ -180,6 +181,8 @@ class _Emitter:
         for axis in reversed(self.mesh.axes):  # self.tp first
             if re.search(rf"\bself\.{axis}\b", text):
                 init.insert(0, f"self.{axis} = pg.{axis}")
+        if "rng_tracker=self.rng_tracker" in text:  # a recompute replays the tracker's streams
+            init.insert(0, "self.rng_tracker = rng_tracker")
         init = _order_ties(init) + sorted(set(partial), key=partial.index)
         return init, body, list(mdef.inputs)
 
@@ -209,10 +212,37 @@ class _Emitter:
                 init.append(f"self.{attr} = nn.ModuleList([" + ", ".join(f"{c}(pg, rng_tracker)" for c in classes) + "])")
             out = names.bind(outs[0], g.call_names[child][0], index, last_use)
             lines = [] if out == arg_names[0] else [f"{out} = {arg_names[0]}"]
-            return lines + [f"for layer in self.{attr}:", f"    {out} = layer({out})"]
+            return lines + self._layer_loop(child, attr, out, count)
         init.append(f"self.{attr} = {self.class_for(child)}(pg, rng_tracker)")
         out_names = [names.bind(v, n, index, last_use) for v, n in zip(outs, g.call_names[child])]
+        if self.recompute is not None and child in self.recompute.calls:
+            region = self.recompute.regions[self.recompute.calls[child]]
+            return [f"# recompute (full): {attr} keeps only its inputs; backward runs its forward again ({region.source})",
+                    f"{', '.join(out_names)} = runtime.recompute(self.{attr}, {', '.join(arg_names)}, "
+                    f"rng_tracker=self.rng_tracker)"]
         return [f"{', '.join(out_names)} = self.{attr}({', '.join(arg_names)})"]
+
+    def _layer_loop(self, group: str, attr: str, out: str, count: int) -> list:
+        """The loop over a repeated module's instances, with Megatron's recompute methods."""
+        form = self.recompute.groups.get(group) if self.recompute is not None else None
+        if form is None:
+            return [f"for layer in self.{attr}:", f"    {out} = layer({out})"]
+        first = self.recompute.regions[self.recompute.calls.get(f"{group}.0", 0)] if form[0] != "uniform" else None
+        call = f"runtime.recompute({{}}, {out}, rng_tracker=self.rng_tracker)"
+        if form[0] == "all":
+            return [f"# recompute (full): every layer keeps only its input; backward runs its forward again "
+                    f"({first.source})",
+                    f"for layer in self.{attr}:", f"    {out} = {call.format('layer')}"]
+        n = form[1]
+        if form[0] == "block":
+            return [f"# recompute (full, block): the first {n} of {count} layers keep only their input; backward "
+                    "runs their forward again",
+                    f"for i, layer in enumerate(self.{attr}):",
+                    f"    {out} = {call.format('layer')} if i < {n} else layer({out})"]
+        return [f"# recompute (full, uniform): each group of {n} layers keeps only its input; backward runs the "
+                "group's forward again",
+                f"for start in range(0, {count}, {n}):",
+                f"    {out} = {call.format(f'self.{attr}[start:start + {n}]')}"]
 
     def _op_line(self, op, names, index: int, last_use: dict):
         g = self.g
@@ -222,6 +252,11 @@ class _Emitter:
         if self.mesh.active:
             layouts = f"{','.join(map(str, op.in_layouts))} -> {','.join(map(str, op.out_layouts))}"
         call = kind.call(op, args, self._ctx(op))
+        if self.recompute is not None and op.id in self.recompute.selective:
+            plain = f"self.{op.attr_name}({', '.join(args)})"
+            if call != plain:
+                raise AssertionError(f"{op.kind} declares selective_recompute but its call is {call!r}, not {plain!r}")
+            call = f"runtime.recompute(self.{op.attr_name}, {', '.join(args)}, rng_tracker=self.rng_tracker)"
         if kind.converts():
             out = names.bind(op.outputs[0], args[0], index, last_use, kind.name_suffix(op))
             return f"{out} = {call}", kind.describe(op)
@@ -229,11 +264,17 @@ class _Emitter:
         line = f"{', '.join(outs)} = {call}"
         if layouts:
             line += f"  # {layouts}"
-        return line, kind.note(op)
+        note = kind.note(op)
+        if self.recompute is not None and op.id in self.recompute.selective:
+            source = self.recompute.regions[self.recompute.selective[op.id]].source
+            note = "; ".join(filter(None, [note, f"recompute (selective): keeps only its inputs; backward runs it "
+                                                 f"again ({source})"]))
+        return line, note
 
     def _ctx(self, op) -> EmitCtx:
         tied = f"self.{self.g.ops[op.tied_to].attr_name}.weight" if op.tied_to else ""
-        return EmitCtx(tp=self.tp, cp=self.cp, tied_expr=tied)
+        return EmitCtx(tp=self.tp, cp=self.cp, tied_expr=tied,
+                       in_segments=[tuple(self.g.values[v].segments) for v in op.inputs])
 
     def _constructor(self, op) -> str | None:
         if self.g.pipeline is not None and any(op.id == copy for _, copy in self.g.pipeline.ties):
@@ -251,7 +292,16 @@ class _Emitter:
                     f"for s in self.stages for i in s[\"layers\"]}})")
         out = names.bind(outs[0], g.call_names[child][0], index, last_use)
         lines = [] if out == arg_names[0] else [f"{out} = {arg_names[0]}"]
-        return lines + ['for i in PIPELINE_STAGES[stage]["layers"]:', f"    {out} = self.{attr}[str(i)]({out})"]
+        form = self.recompute.groups.get(child) if self.recompute is not None else None
+        if form is None:
+            return lines + ['for i in PIPELINE_STAGES[stage]["layers"]:', f"    {out} = self.{attr}[str(i)]({out})"]
+        if form[0] != "all":
+            raise SpecError(g.spec.modules[g.spec.root].loc, f"--recompute-method {form[0]} with pipeline parallelism "
+                            f"is not supported: its layer groups would straddle the stages",
+                            "use --recompute-granularity full without --recompute-method uniform/block, or selective")
+        return lines + ["# recompute (full): every layer keeps only its input; backward runs its forward again",
+                        'for i in PIPELINE_STAGES[stage]["layers"]:',
+                        f"    {out} = runtime.recompute(self.{attr}[str(i)], {out}, rng_tracker=self.rng_tracker)"]
 
     def _pipeline_root(self, mdef, items, names, init, body, starts, init_starts, partial_at, outs):
         """The root class at PP > 1 (Megatron's pre_process/post_process): a rank builds the parts
@@ -291,6 +341,8 @@ class _Emitter:
         for axis in reversed(self.mesh.axes):
             if re.search(rf"\bself\.{axis}\b", text):
                 init.insert(0, f"self.{axis} = pg.{axis}")
+        if "rng_tracker=self.rng_tracker" in text:  # a recompute replays the tracker's streams
+            init.insert(0, "self.rng_tracker = rng_tracker")
         body = (['if PIPELINE_STAGES[stage]["pre_process"]:'] + [f"    {ln}" for ln in pre_body] if pre_body else []) \
             + block_body + ['if not PIPELINE_STAGES[stage]["post_process"]:', f"    return {carry_out(block_body, carry)}"] \
             + post_body + ["return " + ", ".join(names.get(v) for v in outs)]

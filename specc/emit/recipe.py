@@ -27,6 +27,9 @@ _FLAGS = (  # settings field, default, how the compile command spells a non-defa
     ("micro_batch_size", 1, lambda v: f"--micro-batch-size {v}"),
     ("dtype", "bf16", lambda v: f"--dtype {v}"),
     ("fuse", True, lambda v: "--no-fuse"),
+    ("recompute_granularity", None, lambda v: f"--recompute-granularity {v}"),
+    ("recompute_method", None, lambda v: f"--recompute-method {v}"),
+    ("recompute_num_layers", None, lambda v: f"--recompute-num-layers {v}"),
 )
 
 

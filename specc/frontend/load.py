@@ -17,7 +17,8 @@ from .yamlload import LDict, LList, LStr, load_yaml, read_text
 TOP_KEYS = {"name": "str", "description": "str", "extends": "str", "config": "mapping", "model": "mapping",
             "modules": "mapping", "hf": "mapping", "megatron": "mapping"}
 MODEL_KEYS = {"module", "inputs"}
-MODULE_KEYS = {"description", "inputs", "submodules", "forward"}
+MODULE_KEYS = {"description", "inputs", "submodules", "forward", "recompute"}
+RECOMPUTE = ("full", "selective")  # a module's `recompute:` (Megatron's granularities)
 REF_KEYS = {"module", "repeat", "description"}
 LEAF_RESERVED = {"op", "impl", "description"}
 IMPLS = ("auto", "native", "te", "flash", "unfused")
@@ -233,6 +234,14 @@ class _Builder:
         steps = [parse_step(s, steps_raw.item_loc(i)) for i, s in enumerate(steps_raw)]
         desc = raw.get("description", "")
         module = ModuleDef(name, inputs, subs, steps, [], raw.loc, str(desc) if desc else "")
+        if "recompute" in raw:
+            value = self.value(raw["recompute"], raw.value_loc("recompute"))
+            if value not in RECOMPUTE:
+                got = f"'{_clip(value)}'" if isinstance(value, str) else _kind(value)
+                raise SpecError(raw.value_loc("recompute"), f"'recompute' must be one of {', '.join(RECOMPUTE)}, "
+                                f"got {got}", did_you_mean(value, RECOMPUTE) if isinstance(value, str) else
+                                "full: recompute the whole module from its inputs; selective: its attention core")
+            module.recompute, module.recompute_loc = value, raw.value_loc("recompute")
         _check_dataflow(module)
         return module
 

@@ -27,20 +27,42 @@ class Settings:
     pp_first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
     pp_last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
     pp_layout: str | None = None  # --pipeline-model-parallel-layout, e.g. "Et*3|t*4|t*3L"
+    # activation recompute, Megatron's flags: None | full (whole layers from their input) | selective
+    # (the attention core); full: uniform (groups of num_layers layers) | block (the first num_layers)
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
 
     def describe(self) -> str:
         cp = f" cp={self.cp} cp_comm_type={self.cp_comm_type}" if self.cp > 1 else ""
         cp += f" ep={self.ep}" if self.ep > 1 else ""
         cp += f" pp={self.pp}" if self.pp > 1 else ""
         return (f"tp={self.tp}{cp} sp={'on' if self.sp else 'off'} backend={self.backend} "
-                f"micro_batch_size={self.micro_batch_size} dtype={self.dtype} fuse={'on' if self.fuse else 'off'}")
+                f"micro_batch_size={self.micro_batch_size} dtype={self.dtype} fuse={'on' if self.fuse else 'off'}"
+                + self.describe_recompute())
+
+    def describe_recompute(self) -> str:
+        if self.recompute_granularity is None:
+            return ""
+        if self.recompute_granularity == "selective":
+            return " recompute=selective"
+        return f" recompute=full/{self.recompute_method}/{self.recompute_num_layers}"
 
     def as_dict(self) -> dict:
         """The settings as plain data (a generated folder's SETTINGS), in a fixed key order."""
         return {"tp": self.tp, "sp": self.sp, "backend": self.backend, "micro_batch_size": self.micro_batch_size,
                 "dtype": self.dtype, "fuse": self.fuse, "cp": self.cp, "cp_comm_type": self.cp_comm_type,
                 **({"ep": self.ep} if self.ep > 1 else {}),  # absent at 1: earlier folders read the same
-                **{k: v for k, v in self.pipeline_dict().items() if v != PIPELINE_DEFAULTS[k]}}
+                **{k: v for k, v in self.pipeline_dict().items() if v != PIPELINE_DEFAULTS[k]},
+                **self.recompute_dict()}
+
+    def recompute_dict(self) -> dict:
+        """The recompute settings, only when recompute is on (folders compiled without it keep
+        their SETTINGS)."""
+        if self.recompute_granularity is None:
+            return {}
+        return {"recompute_granularity": self.recompute_granularity, "recompute_method": self.recompute_method,
+                "recompute_num_layers": self.recompute_num_layers}
 
     def pipeline_dict(self) -> dict:
         """The pipeline settings (as_dict names them only where they differ from the defaults, so
@@ -106,6 +128,8 @@ class ModuleDef:
     returns: list
     loc: Loc
     description: str = ""
+    recompute: str | None = None  # full | selective: every call of this module is recomputed in backward
+    recompute_loc: Loc | None = None
 
 
 @dataclass

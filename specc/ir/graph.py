@@ -92,6 +92,7 @@ class Graph:
         self._id_counts: dict[str, int] = {}
         self._calls_of: dict[str, set] = {}  # value id -> call scopes that bind it
         self.pipeline = None  # passes.pipeline.Pipeline: the stages at PP > 1
+        self.recompute = None  # passes.recompute.Recompute: what backward runs again (set by the last pass)
 
     # -- module calls ------------------------------------------------------------------------
     def set_call(self, scope: str, args: list, outs: list) -> None:

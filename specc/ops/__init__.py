@@ -3,7 +3,22 @@
 from .attention import CoreAttention, Rotary
 from .base import Attr, Ctx, LayoutRule, OpKind, Weight
 from .boundary import BoundaryOp
-from .elementwise import Add, Dropout, Gelu, Mul, Silu, Split, Swiglu
+from .elementwise import (
+        Add,
+        Dropout,
+        Geglu,
+        Gelu,
+        Glu,
+        Mul,
+        Reglu,
+        Relu,
+        Scale,
+        Silu,
+        Softcap,
+        Split,
+        SquaredRelu,
+        Swiglu,
+)
 from .embedding import Embedding, PositionEmbedding
 from .linear import BiasAdd, Linear
 from .loss import CrossEntropy
@@ -12,7 +27,8 @@ from .norm import LayerNorm, RMSNorm
 
 _ALL = (Linear(), BiasAdd(), Embedding(), PositionEmbedding(), LayerNorm(), RMSNorm(), Gelu(), Silu(), Swiglu(),
         Dropout(), Split(), Add(), Mul(), Rotary(), CoreAttention(), CrossEntropy(), BoundaryOp(),
-        MoE())
+        MoE(),
+        Relu(), SquaredRelu(), Glu(), Geglu(), Reglu(), Scale(), Softcap())
 OPS = {op.name: op for op in _ALL}
 # what a spec may name with `op:` (builtins come from `+` and `*`; bias_add is made by the compiler)
 SPEC_OPS = {n: op for n, op in OPS.items() if not getattr(op, "builtin", False) and not getattr(op, "internal", False)}

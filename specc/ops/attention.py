@@ -53,6 +53,7 @@ class CoreAttention(OpKind):
     n_inputs = (3, 3)
     nonlinear = True
     impls = ("native", "unfused", "flash", "te")
+    selective_recompute = True  # its softmax, mask and dropout output are 5as^2b bytes a layer unfused
 
     def kv_heads(self, attrs) -> int:
         return attrs.get("num_kv_heads") or attrs["num_heads"]

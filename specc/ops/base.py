@@ -48,6 +48,7 @@ class LayoutRule:
     accepts_reduction: bool = False  # may a partial sum P be reduced right before it
     partial_ok: bool = False  # P in, P out (a linear op such as add)
     joined_inputs: tuple | None = None  # which inputs take part in the join (default: all)
+    prefer: str | None = None  # the placement its joined inputs should arrive in when its outputs are fixed
 
 
 @dataclass
@@ -85,6 +86,10 @@ class OpKind:
     impls = ("native",)
     nonlinear = False  # a partial sum must never reach it
     any_cut = False  # works feature by feature on S(h): a shard cut by segments will do (elementwise ops)
+    # selective recompute runs this op again in backward, keeping only its inputs: an op whose kept
+    # tensors are large next to its FLOPs (the attention core's s x s scores; Korthikanti et al. 2022).
+    # Its call must be its submodule applied to its inputs (`self.name(a, b)`), so it can be wrapped.
+    selective_recompute = False
 
     # -- checks and shapes -------------------------------------------------------------
     def check(self, attrs: dict, locs: dict, ctx: Ctx) -> None:
@@ -147,6 +152,12 @@ class OpKind:
         """Which dim of each output is the sequence (activations are sequence-first)."""
         return [in_seq_dims[0] if in_seq_dims else 0] * self.out_count(attrs)
 
+    def impl_unsupported(self, attrs: dict, impl: str) -> str:
+        """Why `impl` cannot compute this op with these attributes ("" when it can): resolve then
+        refuses it where the spec pinned it, and falls back to native where it was only asked
+        for (auto, --backend)."""
+        return ""
+
     def choices(self, attrs: dict, settings) -> dict:
         """Implementation choices made at resolve time, as attributes (name_resolved, name_reason)."""
         return {}
@@ -206,6 +217,7 @@ class EmitCtx:
     tp: int = 1
     cp: int = 1
     tied_expr: str = ""  # the Python expression of the weight a tied op shares
+    in_segments: list = field(default_factory=list)  # per input: the segments its S(h) shards are cut by
 
 
 def need_divisible(value: int, by: int, what: str, loc: Loc, hint: str = "", axis: str = "tp") -> None:

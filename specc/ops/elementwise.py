@@ -56,6 +56,11 @@ class Mul(OpKind):
         return f"{args[0]} * {args[1]}"
 
 
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "squared_relu")
+APPROXIMATE = Attr("approximate", "str", default="none", choices=("none", "tanh"),
+                   doc="none: the exact erf form; tanh: the tanh approximation (HF gelu_new, gelu_pytorch_tanh)")
+
+
 class _Activation(OpKind):
     nonlinear = True
     any_cut = True
@@ -73,8 +78,14 @@ class _Activation(OpKind):
 
 class Gelu(_Activation):
     name = "gelu"
-    doc = "GELU (exact, erf form)."
+    doc = "GELU: exact (erf), or the tanh approximation with approximate: tanh (GPT-2's gelu_new)."
+    attrs = (APPROXIMATE,)
     function = "runtime.gelu"
+
+    def call(self, node, args, ctx):
+        if node.attrs.get("approximate", "none") == "tanh":
+            return f'runtime.gelu({args[0]}, approximate="tanh")'
+        return f"runtime.gelu({args[0]})"
 
 
 class Silu(_Activation):
@@ -83,24 +94,123 @@ class Silu(_Activation):
     function = "torch.nn.functional.silu"
 
 
-class Swiglu(_Activation):
-    name = "swiglu"
-    doc = "silu(gate) * up over a last dim laid out [gate | up]; halves the last dim."
-    function = "runtime.swiglu"
-    needs_segments = 2
+class Relu(_Activation):
+    name = "relu"
+    doc = "ReLU."
+    function = "torch.nn.functional.relu"
+
+
+class SquaredRelu(_Activation):
+    name = "squared_relu"
+    doc = "relu(x)^2 (Primer; Megatron's squared_relu)."
+    function = "runtime.squared_relu"
+
+
+class Glu(_Activation):
+    """A gated linear unit: act(gate) * up, from one fused [gate | up] value (a column-parallel
+    gate+up linear with two segments, sharded segment by segment) or from two values (separate
+    gate and up linears). Elementwise per feature, so any TP shard of its halves will do."""
+
+    name = "gated_linear_unit"
+    doc = ("act(gate) * up, from one [gate | up] value (halves its last dim) or from two values gate, up; "
+           "activation: " + " | ".join(ACTIVATIONS) + ".")
+    attrs = (Attr("activation", "str", required=True, choices=ACTIVATIONS,
+                  doc="applied to the gate; gelu_tanh is GELU's tanh approximation (HF gelu_pytorch_tanh)"),)
+    n_inputs = (1, 2)
+
+    def activation(self, attrs) -> str:
+        return attrs["activation"]
 
     def out_shapes(self, attrs, shapes, fail):
+        if len(shapes) == 2:
+            return _same_shapes(shapes, fail)
         x = shapes[0]
         if x[-1] % 2:
-            fail(f"last dim {x[-1]} is odd; swiglu splits it into equal [gate | up] halves")
+            fail(f"last dim {x[-1]} is odd; {self.name} splits it into equal [gate | up] halves")
         return [tuple(x[:-1]) + (x[-1] // 2,)]
 
     def input_segments(self, attrs, shapes):
+        if len(shapes) == 2:
+            return ()  # gate and up come apart: elementwise on both
         half = shapes[0][-1] // 2
         return (half, half)
 
     def out_segments(self, attrs, in_segments):
-        return ()
+        return in_segments[0] if len(in_segments) == 2 else ()
+
+    def saved_bytes(self, node, local_in, local_out, elt):
+        return [(v, numel(s) * elt) for v, s in zip(node.inputs, local_in)]
+
+    def call(self, node, args, ctx):
+        return f'runtime.glu({", ".join(args)}, activation="{self.activation(node.attrs)}")'
+
+
+class Swiglu(Glu):
+    name = "swiglu"
+    doc = "silu(gate) * up over a last dim laid out [gate | up] (halves it), or of two values gate, up."
+    attrs = ()
+
+    def activation(self, attrs):
+        return "silu"
+
+    def call(self, node, args, ctx):
+        if len(args) == 1:
+            return f"runtime.swiglu({args[0]})"
+        return super().call(node, args, ctx)
+
+
+class Geglu(Glu):
+    name = "geglu"
+    doc = "gelu(gate) * up (approximate: tanh for Gemma's gelu_pytorch_tanh), of [gate | up] or of gate, up."
+    attrs = (APPROXIMATE,)
+
+    def activation(self, attrs):
+        return "gelu_tanh" if attrs.get("approximate", "none") == "tanh" else "gelu"
+
+
+class Reglu(Glu):
+    name = "reglu"
+    doc = "relu(gate) * up, of [gate | up] or of gate, up."
+    attrs = ()
+
+    def activation(self, attrs):
+        return "relu"
+
+
+class Scale(OpKind):
+    """x * factor. Linear, so a partial sum stays one (each rank scales its part) and a
+    vocabulary-parallel embedding's output is scaled before its reduction."""
+
+    name = "scale"
+    doc = "x * factor, a constant or a config expression (Gemma's ${sqrt(hidden_size)} embedding scale)."
+    attrs = (Attr("factor", "float", required=True,
+                  doc="rounded to the activation dtype before the product, as Hugging Face Gemma does"),)
+    any_cut = True
+
+    def rule_tp(self, attrs, ctx):
+        return LayoutRule(allowed=_NOT_P, accepts_reduction=True, partial_ok=True)
+
+    def out_segments(self, attrs, in_segments):
+        return in_segments[0] if in_segments else ()
+
+    def call(self, node, args, ctx):
+        return f"runtime.scale({args[0]}, {float(node.attrs['factor'])!r})"
+
+
+class Softcap(_Activation):
+    name = "softcap"
+    doc = "cap * tanh(x / cap): tanh soft-capping (Gemma 2's final logits)."
+    attrs = (Attr("cap", "float", required=True, doc="the bound of the output, above 0"),)
+
+    def check(self, attrs, locs, ctx):
+        if attrs["cap"] <= 0:
+            raise SpecError(locs.get("cap"), f"softcap cap={attrs['cap']} must be above 0")
+
+    def saved_bytes(self, node, local_in, local_out, elt):
+        return [(node.outputs[0], numel(local_out[0]) * elt)]  # tanh's backward reads its output
+
+    def call(self, node, args, ctx):
+        return f"runtime.softcap({args[0]}, {float(node.attrs['cap'])!r})"
 
 
 class Dropout(OpKind):

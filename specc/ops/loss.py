@@ -18,8 +18,10 @@ class CrossEntropy(OpKind):
         return [tuple(labels)]
 
     def rule_tp(self, attrs, ctx):
+        # vocabulary-sharded logits (S(h)) are reduced to the loss without being gathered: an
+        # elementwise op before it (a soft cap) should stay on the shards too
         return LayoutRule(allowed=("I", "S(h)"), accepts_reduction=True, joined_inputs=(0,),
-                          fixed_inputs=(None, "I"), fixed_outputs=("I",))
+                          fixed_inputs=(None, "I"), fixed_outputs=("I",), prefer="S(h)" if ctx.tp > 1 else None)
 
     def out_dtype(self, attrs):
         return "float32"  # per-token losses in fp32, whatever the activations

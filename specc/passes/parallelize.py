@@ -114,6 +114,8 @@ def _demands(g: Graph, ctx: Ctx) -> dict:
         for i, vid in enumerate(op.inputs):
             fixed = rule.fixed_inputs[i] if rule.fixed_inputs else None
             want = fixed if fixed is not None else (out_demand if out_demand in rule.allowed else ctx.home)
+            if fixed is None and rule.prefer is not None:  # its output does not follow its input
+                want = rule.prefer
             if (merging and vid in partial) or (out_demand == P and rule.partial_ok and fixed is None):
                 want = P
             want = ctx.home if want == R else want

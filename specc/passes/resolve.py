@@ -38,6 +38,11 @@ def resolve(graph, settings, have=available) -> None:
                 raise SpecError(where, f"{op.id}: a layer with a tied weight cannot use impl 'te'",
                                 "use impl: native (or auto) on it")
             op.impl, op.impl_reason = "native", "tied weight: te.Linear cannot share the embedding's weight"
+        reason = kind.impl_unsupported(op.attrs, op.impl)
+        if reason:
+            if pinned:
+                raise SpecError(where, f"{op.id}: impl '{op.impl}' {reason}", "use impl: native (or auto) on it")
+            op.impl, op.impl_reason = "native", f"{op.impl} {reason}"
         op.attrs.update(kind.choices(op.attrs, settings))
 
 

@@ -47,6 +47,7 @@ def build_plan(graph) -> Plan:
     spec, settings = graph.spec, graph.spec.settings
     elt = DTYPE_BYTES[settings.dtype]
     raw = [_entry(graph, op, elt) for op in graph.iter_ops()]
+    _recompute(graph, raw)
     entries, groups = _fold(graph, raw)
     totals = _totals(graph, raw, elt, settings)
     return Plan(spec.name, spec.path, spec.source_hash, settings, entries, groups, totals)
@@ -83,6 +84,35 @@ def _entry(graph, op, elt: int) -> Entry:
     entry.saved_items = _saved(graph, op, elt)
     entry.saved = sum(b for _, b in entry.saved_items)
     return entry
+
+
+def _recompute(graph, raw: list) -> None:
+    """Recomputed regions (passes/recompute.py): the ops inside keep nothing for backward, the
+    region keeps its checkpoint's inputs (counted at its first op), and backward runs the
+    region's forward again, its collectives included."""
+    rc = graph.recompute
+    if rc is None or not rc.regions:
+        return
+    dtype, started = graph.spec.settings.dtype, set()
+    for e in raw:
+        index = rc.op_region.get(e.name)
+        if index is None:
+            continue
+        region = rc.regions[index]
+        e.saved_items = []
+        if index not in started:
+            started.add(index)
+            for vid in region.inputs:
+                value = graph.values[vid]
+                e.saved_items.append((vid, numel(local_shape_dims(value.shape, value.layout, value.seq_dim))
+                                      * value.elt_bytes(dtype)))
+            e.notes.append(f"recompute {region.granularity}: keeps only the input"
+                           + ("s" if len(region.inputs) > 1 else "") + ", runs again in backward")
+        else:
+            e.notes.append(f"recompute {region.granularity}")
+        e.saved = sum(b for _, b in e.saved_items)
+        e.backward = list(e.forward) + list(e.backward)  # the recompute repeats the forward's collectives
+        e.recomputed = True
 
 
 def _local_shapes(graph, op) -> tuple:
@@ -224,6 +254,10 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
     if expert_params:  # data-parallel over the expert-data-parallel group (dp / ep ranks)
         totals["expert_parameters"] = expert_params
         totals["expert_optimizer_bytes"] = expert_params * OPT_BYTES[settings.dtype]
+    if graph.recompute is not None and graph.recompute.regions:
+        # what recompute adds: the recomputed regions' forward, run again in backward (not model
+        # FLOPs: MFU leaves it out; hardware FLOPs count it)
+        totals["recompute_flops"] = sum(e.flops[0] for e in raw if getattr(e, "recomputed", False))
     if graph.pipeline is not None:
         totals["pipeline"] = _pipeline_totals(graph, raw, settings)
     return totals

@@ -73,6 +73,10 @@ def plan_text(plan) -> str:
         lines.insert(len(lines) - 3, f"  of which experts{t['expert_parameters']:>14,}   "
                      f"{human_bytes(t['expert_parameters'] * t['parameter_bytes'] // max(1, t['parameters'])):>12}   "
                      f"(Adam state {human_bytes(t['expert_optimizer_bytes'])}; data-parallel over dp/ep ranks)")
+    if t.get("recompute_flops"):
+        share = 100 * t["recompute_flops"] / max(t["flops_per_step"], 1)
+        lines.append(f"  recompute FLOPs {t['recompute_flops']:>14,}   (the recomputed forward, run again in backward: "
+                     f"+{share:.1f}% of the step's matmul FLOPs)")
     if plan.groups:
         per = t["activation_bytes_per_layer"]
         if per:

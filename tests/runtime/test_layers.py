@@ -371,3 +371,66 @@ def test_dropout_streams():
     assert torch.equal(plain, nn.functional.dropout(x, 0.5))  # no tracker: torch's generator
     with pytest.raises(ValueError, match="stream must be one of"):
         Dropout(0.1, stream="sequence")
+
+
+def test_norm_variants_match_their_formulas():
+    x = seeded(0, S, B, 12).double()
+    ln = LayerNorm(12, eps=1e-5, bias=False).double()
+    assert ln.bias is None and [n for n, _ in ln.named_parameters()] == ["weight"]
+    with torch.no_grad():
+        ln.weight.copy_(seeded(1, 12))
+    close(ln(x), nn.functional.layer_norm(x, (12,), ln.weight, None, 1e-5))
+    # (1 + weight), the weight starting at 0 (Gemma): the identity gain at init
+    gemma = RMSNorm(12, eps=1e-6, zero_centered_gamma=True).double()
+    assert torch.equal(gemma.weight, torch.zeros(12, dtype=torch.float64)) and gemma.weight._specc_init.kind == "zeros"
+    with torch.no_grad():
+        gemma.weight.copy_(seeded(2, 12))
+    rms = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+    close(gemma(x), rms * (1 + gemma.weight))
+    # per head (Qwen3's q/k norm): 3 heads of 4, one [4] weight for all of them
+    head = RMSNorm(12, eps=1e-6, head_dim=4).double()
+    with torch.no_grad():
+        head.weight.copy_(seeded(3, 4))
+    h = x.view(S, B, 3, 4)
+    close(head(x), (h / torch.sqrt((h * h).mean(-1, keepdim=True) + 1e-6) * head.weight).view(S, B, 12))
+    ln_head = LayerNorm(12, head_dim=4).double()
+    close(ln_head(x), nn.functional.layer_norm(h, (4,)).view(S, B, 12))
+    with pytest.raises(ValueError, match="not a multiple of head_dim"):
+        RMSNorm(10, head_dim=4)
+
+
+def _sharded_rms_norm(rank, world, segments):
+    """RMSNorm over the full width of a value sharded over TP (segment by segment when cut so):
+    output, input gradient and (summed over ranks) weight gradient equal the unsharded norm's."""
+    from runtime.comm import CommCounter
+    from runtime.mappings import split_last_segments
+
+    tp = world_group(rank, world)
+    width = sum(segments)
+    x = seeded(0, S, B, width).double().requires_grad_(True)
+    weight = seeded(1, width).double()
+    full = RMSNorm(width, eps=1e-6).double()
+    sharded = RMSNorm(width, eps=1e-6, tp=tp, segments=segments).double()
+    with torch.no_grad():
+        full.weight.copy_(weight)
+        sharded.weight.copy_(weight)
+    grad = seeded(2, S, B, width).double()
+    y = full(x)
+    (y * grad).sum().backward()
+    local = split_last_segments(x.detach(), tp, segments).requires_grad_(True)
+    y_local = sharded(local)
+    counter = CommCounter()
+    with counter:
+        (y_local * split_last_segments(grad, tp, segments)).sum().backward()
+    close(y_local, split_last_segments(y.detach(), tp, segments))
+    close(local.grad, split_last_segments(x.grad, tp, segments))
+    wgrad = sharded.weight.grad.clone()
+    dist.all_reduce(wgrad)
+    close(wgrad, full.weight.grad)
+    return [(r.kind, r.bytes) for r in counter.records]
+
+
+def test_rms_norm_over_the_full_width_of_tp_shards(gloo):
+    for segments in ([16], [8, 4, 4]):  # one slab; q, k, v cut segment by segment
+        backward = gloo.run(2, _sharded_rms_norm, segments)
+        assert backward[0] == [("all_reduce", S * B * 8)]  # the gradient of the per-token sum of squares

@@ -39,6 +39,19 @@ def test_tiny_specs_verify_at_tp2_and_tp4(spec):
     assert out.strip().splitlines()[-1] == "55 passed, 0 failed (5 settings)"
 
 
+@pytest.mark.parametrize("spec, tp, sp, settings", [
+    ("olmo2-tiny.yaml", "2", "both", 3),  # the full-width q/k norm's all-reduces, post-norms
+    ("qwen3-tiny.yaml", "2", "on", 2),  # per-head q/k norms: local, their weights' gradients partial over TP
+])
+def test_new_families_verify(spec, tp, sp, settings):
+    """The new norm placements end to end (`specc verify --tp 1,2,4 --sp both` passes on every
+    family's tiny spec, run by hand: docs/families.md; the HF parity runs every family at TP 1, 2, 4)."""
+    result = verify(f"specs/{spec}", "--tp", tp, "--sp", sp)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert any("collectives == plan" in ln and " pass" in ln for ln in result.stdout.splitlines())
+    assert result.stdout.strip().splitlines()[-1] == f"{11 * settings} passed, 0 failed ({settings} settings)"
+
+
 @pytest.mark.parametrize("mutation,named", [
     ("drop-partial-grad", "first diverging parameter: layers.0.self_attention.linear_proj.bias"),
     ("one-slab-segments", "first diverging activation: output of layers.0.self_attention.linear_qkv"),

@@ -80,6 +80,16 @@ def test_a_blend_draws_to_its_weights_from_each_dataset_in_turn(tmp_path, number
     assert unweighted.weights == pytest.approx([t / sum(tokens) for t in tokens])
 
 
+def test_a_dataset_per_split_is_read_whole(tmp_path, numbered):
+    other = _corpus(tmp_path / "o", [50] * 4, base=10_000_000)
+    sets = build_datasets(None, 16, 1, (0.5, 0.5, 0.0), split_paths={"train": numbered, "valid": other, "test": None})
+    assert (sets["train"].first, sets["train"].end) == (0, 100) and (sets["valid"].first, sets["valid"].end) == (0, 4)
+    assert all(sets["valid"].sample(j)[0] >= 10_000_000 for j in range(len(sets["valid"])))
+    assert len(sets["test"]) == 0
+    with pytest.raises(DataError, match="the test split has no sample"):
+        sets["test"].sample(0)
+
+
 def test_data_path_lists_as_megatron_reads_them():
     assert parse_blend("a") == [(None, "a")]
     assert parse_blend(["a", "b", "c"]) == [(None, "a"), (None, "b"), (None, "c")]

@@ -122,7 +122,8 @@ def test_a_4_rank_tp2_dp2_run_trains(gloo, corpus, tmp_path):
     assert train[0]["lr"] == pytest.approx(1e-3) and train[4]["lr"] == pytest.approx(5e-3)  # warmup
     assert train[-1]["lr"] < train[10]["lr"]  # cosine decay
     saved = json.load(open(os.path.join(run_dir, "config.json")))
-    assert saved["train"]["parallel"] == {"tp": 2, "sp": True, "cp": 1, "cp_comm_type": "auto", "pp": 1, "dp": 2}
+    assert saved["train"]["parallel"] == {"tp": 2, "sp": True, "cp": 1, "cp_comm_type": "auto", "pp": 1, "dp": 2, "ep": 1,
+                                         "etp": None}
     assert saved["model"]["seq_length"] == 32
     # Its final checkpoint loads in one process at TP=1 (resharded) as the same model: the
     # validation loss on the same samples agrees.

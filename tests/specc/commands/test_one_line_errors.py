@@ -92,13 +92,17 @@ def test_token_ids_outside_the_vocabulary_are_found_at_load(train, tmp_path):
               f"give its --tokenizer-type, or --set vocab_size=301 or more")
 
 
-def test_data_path_mistakes(train, corpus, tmp_path):
+def test_data_path_mistakes(specc, train, corpus, tmp_path):
     _one_line(train(data=tmp_path / "my-corpus_text_document"),
               f"error: --data-path {tmp_path / 'my-corpus_text_document'}: no my-corpus_text_document.bin and "
               "my-corpus_text_document.idx (a dataset is a path prefix")
     _one_line(train(data=None, extra=("--data-path", "0.3", corpus, corpus, "0.7")),
               "error: --data-path: blend weight")
     _one_line(train("--mock-data"), "error: --mock-data and --data-path: give one")
+    _one_line(train("--train-data-path", corpus), "error: --data-path and --train-data-path/--valid-data-path/"
+              "--test-data-path: give one")
+    _one_line(specc("train", GPT_TINY, "--train-data-path", corpus, "--eval-iters", "1", "--run-dir", tmp_path / "no"),
+              "error: --eval-iters 1 evaluates on the valid split: give --valid-data-path PREFIX, or --eval-iters 0")
     _one_line(train("--split", "9,x"), "error: --split 9,x: weights must be numbers")
     _one_line(train("--tokenizer-type", "GPT2BPETokenizer"), "error: --vocab-file is needed")
     _one_line(train("--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--set", "vocab_size=256"),

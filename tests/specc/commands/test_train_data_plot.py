@@ -181,6 +181,10 @@ def test_mock_data_and_a_weighted_blend_train(specc, gpt2, tmp_path):
                            "--run-dir", tmp_path / "blend")
     assert code == 0, out + err
     assert f"data 0.25 {prefix} 0.75 {other}:" in out and out.count("consumed samples:") == 2
+    code, out, err = specc("train", GPT_TINY, "--train-data-path", prefix, "--valid-data-path", other, *tokenizer,
+                           *small, "--run-dir", tmp_path / "per-split")
+    assert code == 0, out + err
+    assert f"data train {prefix}; valid {other}:" in out and "validation loss at iteration 2" in out
 
 
 def test_plot_errors(specc, tmp_path):

@@ -67,3 +67,19 @@ def test_the_quoted_size_error_is_real():
     proc = subprocess.run([sys.executable, "-m", "specc", "validate", "specs/gpt.yaml", "--tp", "8"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == line
+
+
+FAMILIES = ROOT / "docs" / "families.md"
+
+
+def test_the_families_table_lists_every_shipped_spec():
+    text = FAMILIES.read_text(encoding="utf-8")
+    table = text[:text.index("## The ops the families use")]
+    for path in sorted((ROOT / "specs").glob("*.yaml")):
+        assert f"`{path.name}`" in table, f"docs/families.md has no row for specs/{path.name}"
+
+
+def test_the_families_worked_example_is_the_shipped_spec():
+    text = FAMILIES.read_text(encoding="utf-8")
+    block = re.search(r"<!-- example: starcoder2.yaml [^\n]*-->\n```yaml\n(.*?)```", text, re.S).group(1)
+    assert block == (ROOT / "specs" / "starcoder2.yaml").read_text(encoding="utf-8")

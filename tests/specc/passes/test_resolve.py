@@ -80,3 +80,23 @@ def test_te_classes_fail_clearly_without_transformer_engine():
         runtime.TEColumnParallelLinear(8, 8, tp=runtime.Group.single("tp"))
     with pytest.raises(ImportError, match="TransformerEngine"):
         runtime.TERMSNorm(8)
+
+
+def test_norms_te_cannot_compute_fall_back_or_are_refused(tmp_path):
+    """TransformerEngine's norms span the whole last dim with a bias: a per-head norm (Qwen3's
+    q/k) asked for only by auto gets native with the reason; pinned to te it is a located error;
+    OLMo 2's full-width q/k norms on TP shards are pinned native in its spec."""
+    g = compile_with("qwen3-tiny.yaml", have=lambda b: b == "te", tp=2)
+    q_norm = g.ops["layers.0.self_attention.q_norm"]
+    assert q_norm.impl == "native" and q_norm.impl_reason == (
+        "te cannot normalize per head (TransformerEngine's norms span the whole last dim)")
+    assert g.ops["layers.0.input_norm"].impl == "te"
+    pinned = tmp_path / "pinned.yaml"
+    pinned.write_text(f"name: pinned\nextends: {os.path.abspath(os.path.join(SPECS, 'qwen3-tiny.yaml'))}\n"
+                      "modules: {SelfAttention: {submodules: {k_norm: {impl: te}}}}\n", encoding="utf-8")
+    with pytest.raises(SpecError) as e:
+        compile_graph(load_spec(str(pinned), Settings(tp=2)), have=lambda b: True)
+    assert str(e.value).startswith(f"{pinned}:3:") and "k_norm: impl 'te' cannot normalize per head" in str(e.value)
+    olmo = compile_with("olmo2-tiny.yaml", have=lambda b: b == "te", tp=2, sp=True)
+    assert olmo.ops["layers.0.self_attention.q_norm"].impl == "native"
+    assert "runtime.RMSNorm(64, eps=1e-06, tp=self.tp)" in emit_model(olmo, "specc compile")

@@ -13,38 +13,46 @@ import specc_torch
 from runtime.parallel_state import ProcessGroups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-SPECS = {"gpt": os.path.join(ROOT, "specs", "gpt-tiny.yaml"), "llama": os.path.join(ROOT, "specs", "llama-tiny.yaml")}
+SPECS = {family: os.path.join(ROOT, "specs", f"{family}-tiny.yaml") for family in ("gpt", "llama", "gemma", "olmo2", "qwen3", "starcoder2")}
+
+# The transformers config of each specs/<family>-tiny.yaml: (config class, its arguments).
+_DECODER = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, intermediate_size=96,
+                num_hidden_layers=2, vocab_size=256, max_position_embeddings=32)
+CONFIGS = {
+    "gpt": ("GPT2Config", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=32, n_inner=256,
+                               activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
+                               embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
+    "llama": ("LlamaConfig", dict(_DECODER, rms_norm_eps=1e-5)),
+    "gemma": ("GemmaConfig", dict(_DECODER, head_dim=16, rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh",
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "olmo2": ("Olmo2Config", dict(_DECODER, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                                  pad_token_id=0, eos_token_id=1)),
+    "qwen3": ("Qwen3Config", dict(_DECODER, head_dim=16, rms_norm_eps=1e-6,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "starcoder2": ("Starcoder2Config", dict(_DECODER, intermediate_size=256, norm_epsilon=1e-5, use_bias=True, bos_token_id=0, eos_token_id=0,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+}
 
 
 def hf_config(family: str, **changes):
-    """The transformers config of specs/gpt-tiny.yaml / specs/llama-tiny.yaml."""
-    if family == "gpt":
-        from transformers import GPT2Config
+    """The transformers config of specs/<family>-tiny.yaml, with `changes`."""
+    import transformers
 
-        kw = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=32, n_inner=256,
-                  activation_function="gelu",  # the spec's gelu is exact (erf), GPT-2's default is tanh
-                  layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                  bos_token_id=0, eos_token_id=0)
-        kw.update(changes)
-        return GPT2Config(**kw)
-    from transformers import LlamaConfig
-
-    kw = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, intermediate_size=96,
-              num_hidden_layers=2, vocab_size=256, max_position_embeddings=32, rms_norm_eps=1e-5)
-    kw.update(changes)
-    return LlamaConfig(**kw)
+    name, kw = CONFIGS[family]
+    return getattr(transformers, name)(**{**kw, **changes})
 
 
 def hf_model(family: str, seed: int = 0, **changes):
-    """A random model; every parameter (norm weights and biases included) moved off its init, so
-    a mapping that mixes up two tensors cannot go unnoticed."""
+    """A random model; every parameter moved off its init, norm gains and biases (1-D) far off
+    (by about 0.3: around 1 and 0 alike), so a mapping that mixes up two tensors, or a gain or bias
+    handled wrongly across ranks, cannot go unnoticed."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(family, **changes))
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.05))
     return model.eval()
 
 

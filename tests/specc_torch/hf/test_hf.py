@@ -135,8 +135,9 @@ def test_config_mismatches_are_named(tmp_path):
     # 8 heads instead of 4: every tensor has the right shape, only the config tells
     assert _import_error(tmp_path, "gpt", n_head=8) == (f"{tmp_path}/hf: config.json has n_head = 8, but spec "
                                                         f"gpt_tiny gives 4")
-    assert _import_error(tmp_path / "b", "gpt", activation_function="gelu_new") == (
-        f"{tmp_path}/b/hf: config.json has activation_function = \"gelu_new\", but spec gpt_tiny gives \"gelu\"")
+    # gpt.yaml's MLP is GPT-2's tanh GELU (gelu_new): a checkpoint trained with the exact GELU is refused
+    assert _import_error(tmp_path / "b", "gpt", activation_function="gelu") == (
+        f"{tmp_path}/b/hf: config.json has activation_function = \"gelu\", but spec gpt_tiny gives \"gelu_new\"")
     assert _import_error(tmp_path / "c", "llama", rope_parameters={"rope_type": "default", "rope_theta": 500000.0}) == (
         f"{tmp_path}/c/hf: config.json has rope_parameters.rope_theta = 500000.0, but spec llama_tiny gives 10000.0")
     assert _import_error(tmp_path / "d", "llama", spec=SPECS["gpt"]) == (

@@ -23,7 +23,7 @@ TOL = 1e-4
 
 
 def hf_config(family: str):
-    common = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+    common = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
                   head_dim=4, max_position_embeddings=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if family == "mixtral":
         from transformers import MixtralConfig
@@ -37,7 +37,7 @@ def hf_config(family: str):
                           qkv_bias=True, **common)
 
 
-def batch(b: int = 2, s: int = 16, vocab: int = 128, seed: int = 5):
+def batch(b: int = 2, s: int = 16, vocab: int = 256, seed: int = 5):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (b, s + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
