@@ -225,3 +225,43 @@ def test_fp16_exit_interval_no_load_optim_and_finetune_in_the_loop(corpus, tmp_p
     records, log = _run(corpus, str(tmp_path / "c"), train_iters=2, load=ckpt, finetune=True)
     assert [r["iteration"] for r in records] == [1, 2] and "(--finetune): training starts at iteration 0" in log
     assert not any(r["skipped"] for r in records) and all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_megatrons_training_flags_reach_the_config():
+    from specc.cli import build_parser
+    from specc_torch.train import config_from_args
+
+    spec = os.path.join(os.path.dirname(__file__), "..", "..", "..", "specs", "gpt-tiny.yaml")
+    args = build_parser().parse_args(
+        ["train", spec, "--fp16", "--initial-loss-scale", "65536", "--min-loss-scale", "2", "--loss-scale-window",
+         "100", "--hysteresis", "3", "--train-samples", "640", "--lr-warmup-fraction", "0.05", "--lr-decay-style",
+         "WSD", "--lr-wsd-decay-style", "cosine", "--lr-wsd-decay-samples", "128", "--exit-interval", "7",
+         "--optimizer", "sgd", "--sgd-momentum", "0.8", "--use-distributed-optimizer", "--overlap-param-gather",
+         "--load", "ckpt", "--no-load-optim", "--finetune", "--log-throughput"])
+    cfg = config_from_args(args)
+    assert (cfg.fp16, cfg.loss_scale.initial_loss_scale, cfg.loss_scale.min_loss_scale) == (True, 65536, 2)
+    assert (cfg.loss_scale.loss_scale_window, cfg.loss_scale.hysteresis, cfg.loss_scale.loss_scale) == (100, 3, None)
+    assert (cfg.train_iters, cfg.train_samples, cfg.exit_interval) == (None, 640, 7)
+    s = cfg.schedule
+    assert (s.lr_warmup_fraction, s.lr_decay_style, s.lr_wsd_decay_style, s.lr_wsd_decay_samples) == (
+        0.05, "WSD", "cosine", 128)
+    o = cfg.optimizer
+    assert (o.optimizer, o.sgd_momentum, o.overlap_param_gather) == ("sgd", 0.8, True)
+    assert cfg.checkpoint.no_load_optim and cfg.checkpoint.finetune and cfg.logging.log_throughput
+    assert resolve(cfg, 2) == [] and cfg.train_iters == 320  # 640 samples of global batch 2
+    assert config_from_args(build_parser().parse_args(["train", spec])).train_iters == 100  # the default without either
+
+
+def test_the_plan_says_its_dtype_and_train_compiles_at_the_dtype_it_runs():
+    from specc.cli import build_parser
+    from specc.frontend.model import Settings
+    from specc.pipeline import load_and_compile
+    from specc.plan import build_plan, plan_text
+    from specc_torch.train import compile_model, config_from_args
+
+    spec = os.path.join(os.path.dirname(__file__), "..", "..", "..", "specs", "gpt-tiny.yaml")
+    header = plan_text(build_plan(load_and_compile(spec, Settings())[1])).splitlines()[3]
+    assert header == "# bytes at bf16 (--dtype bf16|fp16|fp32); specc train runs at fp32 unless --bf16 or --fp16"
+    for flags, dtype in (([], "fp32"), (["--bf16"], "bf16"), (["--fp16"], "fp16")):
+        cfg = config_from_args(build_parser().parse_args(["train", spec, *flags]))
+        assert compile_model(cfg)[1].settings.dtype == dtype  # the run's plan is sized at its own dtype
