@@ -3,7 +3,7 @@ otherwise pick, measured side by side in one run at TP=1, TP=2 and TP=2 with SP:
 
   specc          gpt.yaml compiled for the setting (runtime.finalize_model_grads after backward)
   megatron       Megatron Core 0.19.2's GPTModel with its local (non-TE) layer spec: the same GPT-2
-                 architecture (learned positions, LayerNorm, exact GELU, biases, tied output),
+                 architecture (learned positions, LayerNorm, tanh GELU, biases, tied output),
                  Megatron's own SP layer-norm gradient all-reduce after backward
   specc+compile  (with --torch-compile) specc with each layer compiled (runtime.compile_layers)
 
@@ -95,6 +95,10 @@ def sequence_parallel_layer_norm():
     return SequenceParallelLayerNorm
 
 
+def _gelu_tanh(x):
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
 def build_megatron(cfg, tp: int, sp: bool):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
@@ -108,7 +112,8 @@ def build_megatron(cfg, tp: int, sp: bool):
         tensor_model_parallel_size=tp, sequence_parallel=sp, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, bf16=False, fp16=False,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False, layernorm_epsilon=1e-5)
+        persist_layer_norm=False, apply_rope_fusion=False, layernorm_epsilon=1e-5,
+        activation_func=_gelu_tanh)  # gpt.yaml's MLP: GPT-2's tanh GELU (gelu_new)
     spec = get_gpt_layer_local_spec()
     if sp:
         import megatron.core.transformer.transformer_block as block

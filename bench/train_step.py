@@ -80,7 +80,7 @@ class Block(nn.Module):
         return a.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def _mlp(self, x):
-        return self.feed_forward.w2(F.gelu(self.feed_forward.w1(x)))
+        return self.feed_forward.w2(F.gelu(self.feed_forward.w1(x), approximate="tanh"))  # gpt.yaml: GPT-2's gelu_new
 
     def forward(self, x):
         x = x + self.attention(self.attention_norm(x))
@@ -494,7 +494,7 @@ measured: {peak:.1f} GFLOP/s.
   finalization, AdamW step). Steps of the two implementations alternate, so drift from other load on
   the machine hits both alike.
 - **TP=1 baseline**: a hand-written eager GPT of the same architecture (fused QKV `nn.Linear`,
-  `nn.LayerNorm`, `F.scaled_dot_product_attention`, exact GELU, tied output, `F.cross_entropy`).
+  `nn.LayerNorm`, `F.scaled_dot_product_attention`, tanh GELU, tied output, `F.cross_entropy`).
 - **TP=2 baseline**: the same model with separate q/k/v projections (DTensor's `ColwiseParallel`
   would shard a fused slab across q, k and v) parallelized by `torch.distributed.tensor.parallel`
   as torchtitan does: `RowwiseParallel` embedding to `Shard(1)`, `SequenceParallel` norms,

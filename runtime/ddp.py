@@ -119,6 +119,14 @@ class DistributedDataParallel(nn.Module):
                 p.grad = None
         self._sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+        # The distributed optimizer's parameter all-gathers when overlapped with the next forward
+        # (--overlap-param-gather): bucket index -> its pending gather, waited for by a forward
+        # pre-hook on each module that holds a parameter of that bucket.
+        self._param_gathers: dict = {}
+        for m in module.modules():
+            own = sorted({self._bucket_of[p].index for p in m.parameters(recurse=False) if p in self._bucket_of})
+            if own:
+                self._hooks.append(m.register_forward_pre_hook(self._param_hook(own)))
         self._next_launch = 0
         self._reset_buckets()
 
@@ -178,6 +186,32 @@ class DistributedDataParallel(nn.Module):
             bucket.shard_out = torch.empty((bucket.end - bucket.start) // group.size, dtype=flat.dtype,
                                            device=flat.device)
             bucket.handle = comm.reduce_scatter_tensor(bucket.shard_out, flat, group, async_op=True)
+
+    # -- the distributed optimizer's parameter all-gather, overlapped with the next forward ----------
+
+    def param_gather_started(self, bucket: Bucket, handle, source: torch.Tensor) -> None:
+        """The optimizer started `bucket`'s parameter all-gather (async) from `source` (kept alive
+        until it is waited for): the first forward of a module using that bucket's parameters
+        waits for it."""
+        if handle is not None:
+            self._param_gathers[bucket.index] = (handle, source)
+
+    def _param_hook(self, indices: list):
+        def wait(module, args):
+            for i in indices:
+                pending = self._param_gathers.pop(i, None)
+                if pending is not None:
+                    pending[0].wait()
+        return wait
+
+    def param_gather_pending(self) -> list:
+        return sorted(self._param_gathers)
+
+    def finish_param_sync(self) -> None:
+        """Wait for every pending parameter all-gather (before parameters are read outside a
+        forward: a checkpoint, the next optimizer step)."""
+        for i in sorted(self._param_gathers):
+            self._param_gathers.pop(i)[0].wait()
 
     def finish_grad_sync(self) -> None:
         """Start the buckets not yet started (all of them without overlap; those holding a

@@ -431,20 +431,22 @@ class Dropout(nn.Module):
     """Dropout on a named RNG stream: "default" in replicated regions (the same mask
     on every TP rank), "tensor-parallel" in sharded regions (a different mask per
     rank). Without a tracker it uses torch's default generator. `layout` and `tp` say
-    how the input is sharded; a tracker in TP-invariant mode then draws the full mask
-    and keeps this rank's slice."""
+    how the input is sharded over TP, `cp` over context parallelism (sequence dim 0, in
+    load-balanced chunks); a tracker in TP-invariant mode then draws the mask of the full
+    sequence and keeps this rank's piece (its CP chunks, then its TP slice of them), so any
+    TP x CP drops what TP=1 CP=1 drops."""
 
     _STREAMS = ("default", "tensor-parallel")
 
     def __init__(self, p: float, *, rng_tracker: RNGTracker | None = None, stream: str = "default",
-                 layout: str = "I", tp: Group | None = None):
+                 layout: str = "I", tp: Group | None = None, cp: Group | None = None):
         super().__init__()
         if stream not in self._STREAMS:
             raise ValueError(f"dropout stream must be one of {self._STREAMS}, got {stream!r}")
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p, self.rng_tracker, self.stream = p, rng_tracker, stream
-        self.layout, self.tp = layout, tp or Group.single("tp")
+        self.layout, self.tp, self.cp = layout, tp or Group.single("tp"), cp or Group.single("cp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
@@ -452,8 +454,13 @@ class Dropout(nn.Module):
         if self.rng_tracker is None:
             return F.dropout(x, self.p, training=True)
         if self.rng_tracker.tp_invariant:
-            keep = local_piece(self.rng_tracker.full_keep_mask(full_shape(x.shape, self.layout, self.tp), self.p,
-                                                               x.device), self.layout, self.tp)
+            shape = list(full_shape(x.shape, self.layout, self.tp))
+            cp_local = shape[0]
+            shape[0] *= self.cp.size
+            full = self.rng_tracker.full_keep_mask(shape, self.p, x.device)
+            if self.cp.size > 1:  # this rank's load-balanced chunks of the sequence, then its TP slice
+                full = full.index_select(0, load_balanced_positions(cp_local, self.cp, x.device))
+            keep = local_piece(full, self.layout, self.tp)
             return x * keep.to(x.dtype) / (1.0 - self.p)
         with self.rng_tracker.fork(self.stream):
             return F.dropout(x, self.p, training=True)

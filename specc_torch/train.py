@@ -28,6 +28,7 @@ from runtime.train.config import (
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
+    LossScaleConfig,
     OptimizerConfig,
     ParallelConfig,
     ScheduleConfig,
@@ -65,17 +66,31 @@ def config_from_args(args) -> TrainConfig:
         optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                                   clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
-                                  bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce),
+                                  bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
+                                  optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
+                                  overlap_param_gather=args.overlap_param_gather),
         schedule=ScheduleConfig(lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
-                                lr_decay_iters=args.lr_decay_iters),
+                                lr_decay_iters=args.lr_decay_iters, lr_warmup_fraction=args.lr_warmup_fraction,
+                                lr_wsd_decay_style=args.lr_wsd_decay_style, lr_wsd_decay_iters=args.lr_wsd_decay_iters,
+                                lr_warmup_samples=args.lr_warmup_samples, lr_decay_samples=args.lr_decay_samples,
+                                lr_wsd_decay_samples=args.lr_wsd_decay_samples),
         data=data_config_from_args(args),
         checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                                     keep_last=args.keep_last,
-                                    allow_spec_change=args.allow_spec_change),
+                                    allow_spec_change=args.allow_spec_change, no_load_optim=args.no_load_optim,
+                                    finetune=args.finetune),
         logging=LoggingConfig(run_dir=args.run_dir or os.path.join("runs", _spec_stem(args.spec)),
-                              log_interval=args.log_interval, progress=args.progress),
+                              log_interval=args.log_interval, progress=args.progress,
+                              log_throughput=args.log_throughput),
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-        train_iters=args.train_iters, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+        train_iters=args.train_iters if args.train_iters is not None or args.train_samples is not None else 100,
+        train_samples=args.train_samples, exit_interval=args.exit_interval,
+        fp16=args.fp16, loss_scale=LossScaleConfig(loss_scale=args.loss_scale,
+                                                   initial_loss_scale=args.initial_loss_scale,
+                                                   min_loss_scale=args.min_loss_scale,
+                                                   loss_scale_window=args.loss_scale_window,
+                                                   hysteresis=args.hysteresis),
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         bf16=args.bf16, seed=args.seed, device=args.device,
         torch_compile=args.torch_compile_backend if args.torch_compile else None,
         recompute=recompute_from(args))
@@ -97,7 +112,8 @@ def data_config_from_args(args) -> DataConfig:
 def config_from_dict(d: dict) -> TrainConfig:
     d = dict(d)
     sections = {"parallel": ParallelConfig, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
-                "data": DataConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+                "data": DataConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+                "loss_scale": LossScaleConfig}
     for name, cls in sections.items():
         d[name] = cls(**d[name])
     return TrainConfig(**d)
@@ -118,7 +134,7 @@ def compile_model(cfg: TrainConfig):
         overrides["vocab_size"] = cfg.data.padded_vocab_size  # the tokenizer's, padded (tokenizer_rules)
     source, spec, _ = compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=overrides,
                                      micro_batch_size=cfg.micro_batch_size,
-                                     dtype="bf16" if cfg.bf16 else "fp32", cp=cfg.parallel.cp,
+                                     dtype="bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32", cp=cfg.parallel.cp,
                                      cp_comm_type=cfg.parallel.cp_comm_type, pp=cfg.parallel.pp,
                                      pp_virtual_stage_layers=cfg.parallel.pp_virtual_stage_layers,
                                      pp_first_stage_layers=cfg.parallel.pp_first_stage_layers,
@@ -478,13 +494,16 @@ def run(cfg: TrainConfig, stream=None) -> int:
         return fail(e)
     # What to load: --load, or on an elastic restart the newest checkpoint this run saved; a
     # checkpoint without optimizer and data state (`specc hf import`) gives the weights only.
-    load, weights_only = cfg.checkpoint.load, False
+    load, weights_only, skip_optimizer = cfg.checkpoint.load, False, False
     try:
         if restart > 0 and cfg.checkpoint.save and latest_step(cfg.checkpoint.save) is not None:
             load = cfg.checkpoint.save
         if load:
             info = read_info(checkpoint_path(load))
             weights_only = info.get("optimizer") is None or not info.get("data")
+            # --finetune: the weights only; --no-load-optim: also the iteration and data position
+            weights_only = weights_only or (cfg.checkpoint.finetune and load == cfg.checkpoint.load)
+            skip_optimizer = cfg.checkpoint.no_load_optim and load == cfg.checkpoint.load
     except CheckpointError as e:
         return fail(e)
     device = resolve_device(cfg.device, local_rank)
@@ -531,8 +550,21 @@ def run(cfg: TrainConfig, stream=None) -> int:
             except CheckpointError as e:
                 return fail(e)
             reload_master_weights(setup.optimizer)
-            reporter.info(f"loaded model weights from {out['path']} (no optimizer or data state in it): "
+            why = "--finetune" if cfg.checkpoint.finetune else "no optimizer or data state in it"
+            reporter.info(f"loaded model weights from {out['path']} ({why}): "
                           f"training starts at iteration 0 with a fresh optimizer"
+                          + (f" (saved at {out['saved_layout']}, resharded)" if out["resharded"] else ""))
+        elif load and skip_optimizer:  # --no-load-optim: weights, iteration, data position; a fresh optimizer
+            try:
+                out = load_checkpoint(load, setup.model, pg, allow_spec_change=cfg.checkpoint.allow_spec_change,
+                                      rng_tracker=setup.rng_tracker)
+            except CheckpointError as e:
+                return fail(e)
+            reload_master_weights(setup.optimizer)
+            state.iteration = int(out["step"])
+            state.consumed_samples = int(out["data_state"]["consumed_samples"])
+            reporter.info(f"loaded checkpoint {out['path']} at iteration {state.iteration} without its optimizer "
+                          f"state (--no-load-optim): a fresh optimizer"
                           + (f" (saved at {out['saved_layout']}, resharded)" if out["resharded"] else ""))
         elif load:  # any TP x DP layout: runtime.checkpoint reshards
             try:
@@ -550,6 +582,7 @@ def run(cfg: TrainConfig, stream=None) -> int:
             reporter.resume(state.iteration)
 
         def save(st):
+            setup.ddp.finish_param_sync()  # --overlap-param-gather: the gathered parameters are saved
             reporter.sync()  # the metrics up to this checkpoint survive whatever happens after it
             path = save_checkpoint(cfg.checkpoint.save, st.iteration, setup.model, pg,
                                    optimizer_state=adam_state(setup.optimizer, setup.model),
@@ -615,6 +648,14 @@ def _test_kill_hook(rank: int, world: int, restart: int):
     return before_step
 
 
+def _fp16_text(cfg: TrainConfig) -> str:
+    ls = cfg.loss_scale
+    if ls.loss_scale is not None:
+        return f"fp16 autocast, loss scale {ls.loss_scale:g}, "
+    return (f"fp16 autocast, dynamic loss scale from {ls.initial_loss_scale:g} (min {ls.min_loss_scale:g}, "
+            f"window {ls.loss_scale_window}, hysteresis {ls.hysteresis}), ")
+
+
 def _report_setup(reporter, cfg: TrainConfig, setup, pg, datasets) -> None:
     opt = setup.optimizer
     params = sum(p.numel() for p in setup.model.parameters())
@@ -622,7 +663,9 @@ def _report_setup(reporter, cfg: TrainConfig, setup, pg, datasets) -> None:
                   f"global batch {cfg.global_batch_size} = micro batch {cfg.micro_batch_size} x DP {pg.dp.size} x "
                   f"{cfg.num_micro_batches} accumulation steps; device {setup.device}")
     reporter.info(f"parameters on this rank: {params:,} ({setup.ddp.param_dtype}); gradient buckets: "
-                  f"{len(setup.ddp.buckets)}; {'bf16 autocast, ' if cfg.bf16 else ''}fp32 gradients and master weights")
+                  f"{len(setup.ddp.buckets)}; {'bf16 autocast, ' if cfg.bf16 else ''}"
+                  f"{_fp16_text(cfg) if cfg.fp16 else ''}fp32 gradients and master weights; optimizer "
+                  f"{cfg.optimizer.optimizer}")
     if cfg.torch_compile:
         reporter.info(f"torch.compile (backend {cfg.torch_compile}): each of the {len(repeated_layers(setup.model))} "
                       f"repeated layers compiled on its own, the rest eager; the first steps include compilation")

@@ -80,12 +80,13 @@ class TransformerLayer(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
+        self.cp = pg.cp
         self.input_layernorm = runtime.LayerNorm(768, eps=1e-05)
         self.self_attention = SelfAttention(pg, rng_tracker)
-        self.attention_dropout = runtime.Dropout(0.0, rng_tracker=rng_tracker, stream="tensor-parallel", layout="S(s)", tp=self.tp)
+        self.attention_dropout = runtime.Dropout(0.0, rng_tracker=rng_tracker, stream="tensor-parallel", layout="S(s)", tp=self.tp, cp=self.cp)
         self.pre_mlp_layernorm = runtime.LayerNorm(768, eps=1e-05)
         self.mlp = MLP(pg, rng_tracker)
-        self.mlp_dropout = runtime.Dropout(0.0, rng_tracker=rng_tracker, stream="tensor-parallel", layout="S(s)", tp=self.tp)
+        self.mlp_dropout = runtime.Dropout(0.0, rng_tracker=rng_tracker, stream="tensor-parallel", layout="S(s)", tp=self.tp, cp=self.cp)
         runtime.mark_partial_grad(self.input_layernorm.weight, "tp", "cp")  # used on tp:S(s)/cp:S(s) values
         runtime.mark_partial_grad(self.input_layernorm.bias, "tp", "cp")  # used on tp:S(s)/cp:S(s) values
         runtime.mark_partial_grad(self.pre_mlp_layernorm.weight, "tp", "cp")  # used on tp:S(s)/cp:S(s) values
@@ -113,7 +114,7 @@ class GPTModel(nn.Module):
         self.cp = pg.cp
         self.embedding = runtime.VocabParallelEmbedding(50304, 768, tp=self.tp, init_std=0.02)
         self.position_embedding = runtime.PositionEmbedding(1024, 768, init_std=0.02, cp=self.cp)
-        self.embedding_dropout = runtime.Dropout(0.0, rng_tracker=rng_tracker, stream="tensor-parallel", layout="S(s)", tp=self.tp)
+        self.embedding_dropout = runtime.Dropout(0.0, rng_tracker=rng_tracker, stream="tensor-parallel", layout="S(s)", tp=self.tp, cp=self.cp)
         self.layers = nn.ModuleList([TransformerLayer(pg, rng_tracker) for _ in range(12)])
         self.final_layernorm = runtime.LayerNorm(768, eps=1e-05)
         self.output_layer = runtime.ColumnParallelLinear(768, 50304, bias=False, input_mode="gather", weight=self.embedding.weight, tp=self.tp, init_std=0.02)

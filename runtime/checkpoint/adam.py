@@ -14,14 +14,15 @@ from .core import flat_param_shards
 
 def adam_state(optimizer, model) -> dict:
     """{"step", "exp_avg", "exp_avg_sq"[, "master"]}: the moment (and fp32 master weight) shards
-    this rank holds, by parameter name, as views of the optimizer's own buffers."""
+    this rank holds, by parameter name, as views of the optimizer's own buffers. Any of
+    runtime.optim's optimizers: its STATE names the tensors (SGD: "momentum_buffer")."""
     param_range = optimizer.ddp.param_range
-    state = {"step": int(optimizer.step_count), "exp_avg": {}, "exp_avg_sq": {}}
+    state = {"step": int(optimizer.step_count), **{name: {} for name in optimizer.STATE}}
     if optimizer.separate_master:
         state["master"] = {}
     for r in optimizer.ranges:
-        state["exp_avg"].update(flat_param_shards(model, param_range, r.lo, r.hi, r.exp_avg))
-        state["exp_avg_sq"].update(flat_param_shards(model, param_range, r.lo, r.hi, r.exp_avg_sq))
+        for name in optimizer.STATE:
+            state[name].update(flat_param_shards(model, param_range, r.lo, r.hi, getattr(r, name)))
         if optimizer.separate_master:
             state["master"].update(flat_param_shards(model, param_range, r.lo, r.hi, r.master))
     return state

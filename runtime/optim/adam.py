@@ -1,4 +1,4 @@
-"""AdamW over a DistributedDataParallel's flat buffers, replicated or distributed.
+"""AdamW and SGD over a DistributedDataParallel's flat buffers, replicated or distributed.
 
 Replicated: every data-parallel rank holds Adam state (and, for low-precision parameters, fp32
 master weights) for every element, and steps all of it on the all-reduced gradient.
@@ -43,29 +43,42 @@ class _Segment:
 
 
 class _Range:
-    def __init__(self, ddp: DistributedDataParallel, lo: int, hi: int, segments: list, separate_master: bool):
+    def __init__(self, ddp: DistributedDataParallel, lo: int, hi: int, segments: list, separate_master: bool,
+                 state: tuple):
         self.lo, self.hi, self.segments = lo, hi, segments
         self.param = ddp.param_buffer[lo:hi]
         self.grad = ddp.grad_buffer[lo:hi]
         self.master = self.param.detach().float().clone() if separate_master else self.param
-        self.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=self.param.device)
-        self.exp_avg_sq = torch.zeros(hi - lo, dtype=torch.float32, device=self.param.device)
+        for name in state:  # the optimizer's fp32 state over this range (Adam: exp_avg, exp_avg_sq)
+            setattr(self, name, torch.zeros(hi - lo, dtype=torch.float32, device=self.param.device))
 
 
-class Adam:
+class FlatOptimizer:
+    """What Adam and SGD share: the owned ranges of the flat buffers (with fp32 masters for
+    low-precision parameters), fp16's loss scaling (grad_scaler: the gradients are unscaled, and
+    an inf/nan found on any rank skips the step on every rank), clipping by the global norm, and
+    the distributed optimizer's parameter all-gather, optionally overlapped with the next forward
+    (overlap_param_gather: DistributedDataParallel waits for each bucket's gather in a forward
+    pre-hook of the modules that use it). Subclasses name their STATE tensors and write _update."""
+
+    STATE: tuple = ()
+
     def __init__(self, ddp: DistributedDataParallel, pg: ProcessGroups, *, distributed: bool = False,
-                 weight_decay: float = 0.01, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-                 clip_grad: float = 0.0):
+                 weight_decay: float = 0.01, clip_grad: float = 0.0, grad_scaler=None,
+                 overlap_param_gather: bool = False):
         expected = "reduce_scatter" if distributed else "all_reduce"
         if ddp.grad_reduce != expected:
             raise ValueError(f"a {'distributed' if distributed else 'replicated'} optimizer needs "
                              f"DistributedDataParallel(grad_reduce={expected!r}), got {ddp.grad_reduce!r}")
+        if overlap_param_gather and not distributed:
+            raise ValueError("overlap_param_gather needs the distributed optimizer (it overlaps its all-gather)")
         self.ddp, self.pg, self.distributed = ddp, pg, distributed
-        self.weight_decay, self.beta1, self.beta2, self.eps = weight_decay, beta1, beta2, eps
-        self.clip_grad = clip_grad
+        self.weight_decay, self.clip_grad = weight_decay, clip_grad
+        self.grad_scaler = grad_scaler
+        self.overlap_param_gather = overlap_param_gather
         self.step_count = 0
         self.separate_master = ddp.param_dtype != torch.float32
-        self.ranges = [_Range(ddp, lo, hi, self._segments(lo, hi), self.separate_master)
+        self.ranges = [_Range(ddp, lo, hi, self._segments(lo, hi), self.separate_master, self.STATE)
                        for lo, hi in ddp.grad_shard_ranges()]
 
     def _segments(self, lo: int, hi: int) -> list:
@@ -87,15 +100,15 @@ class Adam:
 
     def state_bytes(self) -> int:
         """Bytes this rank holds for optimizer state, measured on the tensors it allocated: Adam
-        moments, and fp32 master weights where they are a separate copy."""
-        tensors = [t for r in self.ranges for t in (r.exp_avg, r.exp_avg_sq)]
+        moments (SGD's momentum), and fp32 master weights where they are a separate copy."""
+        tensors = [getattr(r, name) for r in self.ranges for name in self.STATE]
         if self.separate_master:
             tensors += [r.master for r in self.ranges]
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
     def replicated_state_bytes(self) -> int:
         """What a replicated optimizer holds per rank for the same model (every element)."""
-        return self.ddp.numel * (8 + (4 if self.separate_master else 0))
+        return self.ddp.numel * (4 * len(self.STATE) + (4 if self.separate_master else 0))
 
     # -- the step --------------------------------------------------------------------------------------
 
@@ -117,10 +130,33 @@ class Adam:
         comm.all_reduce(sums, self.pg.pp)  # every stage's parameters
         return math.sqrt(sums.sum().item())
 
+    def found_inf(self) -> bool:
+        """Whether any rank's gradients hold an inf or nan: each rank checks the ranges it steps,
+        then a max over every parallel axis (TP, CP, DP, PP: the whole grid) so that every rank
+        skips the same steps."""
+        flag = torch.zeros(1, dtype=torch.float32, device=self.ddp.grad_buffer.device)
+        for r in self.ranges:
+            if not bool(torch.isfinite(r.grad).all()):
+                flag.fill_(1.0)
+                break
+        for group in (self.pg.tp, self.pg.cp, self.pg.dp, self.pg.pp):
+            comm.all_reduce(flag, group, op="max")
+        return bool(flag.item())
+
     @torch.no_grad()
     def step(self, lr: float) -> tuple[float, bool]:
-        """Clip, update, and (distributed) all-gather the parameters. Returns (grad norm before
-        clipping, whether the update was applied: a non-finite norm skips the step)."""
+        """Unscale (fp16), clip, update, and (distributed) all-gather the parameters. Returns
+        (grad norm before clipping, whether the update was applied: an inf/nan gradient under
+        loss scaling, or a non-finite norm, skips the step)."""
+        self.ddp.finish_param_sync()  # a gather still pending (a parameter no forward used)
+        if self.grad_scaler is not None:
+            inv = 1.0 / self.grad_scaler.scale
+            for r in self.ranges:
+                r.grad.mul_(inv)
+            found = self.found_inf()
+            self.grad_scaler.update(found)
+            if found:
+                return float("nan"), False
         norm = self.grad_norm()
         if not math.isfinite(norm):
             return norm, False
@@ -130,28 +166,27 @@ class Adam:
                 for r in self.ranges:
                     r.grad.mul_(coeff)
         self.step_count += 1
-        b1, b2 = self.beta1, self.beta2
-        bias1 = 1.0 - b1 ** self.step_count
-        bias2_sqrt = math.sqrt(1.0 - b2 ** self.step_count)
         for r in self.ranges:
-            if self.weight_decay > 0:
-                for s in r.segments:
-                    if s.decay:
-                        r.master[s.offset:s.offset + s.length].mul_(1.0 - lr * self.weight_decay)
-            r.exp_avg.mul_(b1).add_(r.grad, alpha=1.0 - b1)
-            r.exp_avg_sq.mul_(b2).addcmul_(r.grad, r.grad, value=1.0 - b2)
-            denom = (r.exp_avg_sq.sqrt() / bias2_sqrt).add_(self.eps)
-            r.master.addcdiv_(r.exp_avg, denom, value=-lr / bias1)
+            self._update(r, lr)
             if self.separate_master:
                 r.param.copy_(r.master)
         if self.distributed:
             self._all_gather_params()
         return norm, True
 
+    def _update(self, r: _Range, lr: float) -> None:
+        raise NotImplementedError
+
     def _all_gather_params(self) -> None:
         for bucket, r in zip(self.ddp.buckets, self.ranges):
             # The input is this rank's part of the output: gather from a copy.
-            comm.all_gather_into_tensor(self.ddp.param_buffer[bucket.start:bucket.end], r.param.clone(), bucket.group)
+            out = self.ddp.param_buffer[bucket.start:bucket.end]
+            if self.overlap_param_gather and bucket.group.size > 1:
+                source = r.param.clone()
+                self.ddp.param_gather_started(bucket, comm.all_gather_into_tensor(out, source, bucket.group,
+                                                                                  async_op=True), source)
+            else:
+                comm.all_gather_into_tensor(out, r.param.clone(), bucket.group)
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
@@ -160,8 +195,7 @@ class Adam:
             "step": self.step_count,
             "distributed": self.distributed,
             "ranges": [(r.lo, r.hi) for r in self.ranges],
-            "exp_avg": [r.exp_avg.clone() for r in self.ranges],
-            "exp_avg_sq": [r.exp_avg_sq.clone() for r in self.ranges],
+            **{name: [getattr(r, name).clone() for r in self.ranges] for name in self.STATE},
             "master": [r.master.clone() for r in self.ranges] if self.separate_master else None,
         }
 
@@ -173,8 +207,65 @@ class Adam:
                              "or optimizer (distributed vs replicated)")
         self.step_count = int(state["step"])
         for i, r in enumerate(self.ranges):
-            r.exp_avg.copy_(state["exp_avg"][i])
-            r.exp_avg_sq.copy_(state["exp_avg_sq"][i])
+            for name in self.STATE:
+                getattr(r, name).copy_(state[name][i])
             if self.separate_master:
                 r.master.copy_(state["master"][i])
                 r.param.copy_(r.master)
+
+
+class Adam(FlatOptimizer):
+    """AdamW (decoupled weight decay on matrices), Megatron's --optimizer adam."""
+
+    STATE = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, ddp: DistributedDataParallel, pg: ProcessGroups, *, distributed: bool = False,
+                 weight_decay: float = 0.01, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 clip_grad: float = 0.0, grad_scaler=None, overlap_param_gather: bool = False):
+        super().__init__(ddp, pg, distributed=distributed, weight_decay=weight_decay, clip_grad=clip_grad,
+                         grad_scaler=grad_scaler, overlap_param_gather=overlap_param_gather)
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+
+    def _update(self, r: _Range, lr: float) -> None:
+        b1, b2 = self.beta1, self.beta2
+        bias1 = 1.0 - b1 ** self.step_count
+        bias2_sqrt = math.sqrt(1.0 - b2 ** self.step_count)
+        if self.weight_decay > 0:
+            for s in r.segments:
+                if s.decay:
+                    r.master[s.offset:s.offset + s.length].mul_(1.0 - lr * self.weight_decay)
+        r.exp_avg.mul_(b1).add_(r.grad, alpha=1.0 - b1)
+        r.exp_avg_sq.mul_(b2).addcmul_(r.grad, r.grad, value=1.0 - b2)
+        denom = (r.exp_avg_sq.sqrt() / bias2_sqrt).add_(self.eps)
+        r.master.addcdiv_(r.exp_avg, denom, value=-lr / bias1)
+
+
+class SGD(FlatOptimizer):
+    """SGD with momentum, Megatron's --optimizer sgd (torch.optim.SGD's update: L2 weight decay
+    added to the gradient of matrices, buf = momentum * buf + g, the first step's buf = g)."""
+
+    STATE = ("momentum_buffer",)
+
+    def __init__(self, ddp: DistributedDataParallel, pg: ProcessGroups, *, distributed: bool = False,
+                 weight_decay: float = 0.01, momentum: float = 0.9, clip_grad: float = 0.0, grad_scaler=None,
+                 overlap_param_gather: bool = False):
+        super().__init__(ddp, pg, distributed=distributed, weight_decay=weight_decay, clip_grad=clip_grad,
+                         grad_scaler=grad_scaler, overlap_param_gather=overlap_param_gather)
+        self.momentum = momentum
+
+    def _update(self, r: _Range, lr: float) -> None:
+        g = r.grad
+        if self.weight_decay > 0:
+            g = g.clone()
+            for s in r.segments:
+                if s.decay:
+                    g[s.offset:s.offset + s.length].add_(r.master[s.offset:s.offset + s.length],
+                                                         alpha=self.weight_decay)
+        if self.momentum > 0:
+            buf = r.momentum_buffer
+            if self.step_count == 1:
+                buf.copy_(g)
+            else:
+                buf.mul_(self.momentum).add_(g)
+            g = buf
+        r.master.add_(g, alpha=-lr)

@@ -11,7 +11,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-DECAY_STYLES = ("constant", "linear", "cosine")
+DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+OPTIMIZERS = ("adam", "sgd")
 CP_COMM_TYPES = ("auto", "p2p", "all_gather")
 
 
@@ -41,6 +43,9 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1.0e-8
     clip_grad: float = 1.0  # 0 disables clipping
+    optimizer: str = "adam"  # adam (AdamW, decoupled weight decay) | sgd (momentum, L2 weight decay), as Megatron
+    sgd_momentum: float = 0.9
+    overlap_param_gather: bool = False  # distributed optimizer: each bucket's all-gather waits until its next forward
     use_distributed_optimizer: bool = False
     bucket_size: int = 4_000_000  # elements per data-parallel gradient bucket
     overlap_grad_reduce: bool = True
@@ -51,6 +56,13 @@ class ScheduleConfig:
     lr_warmup_iters: int = 0
     lr_decay_style: str = "linear"
     lr_decay_iters: int | None = None  # None: train_iters
+    lr_warmup_fraction: float | None = None  # warmup as a fraction of the decay steps (instead of lr_warmup_*)
+    lr_wsd_decay_style: str = "exponential"  # WSD: the shape of the final decay (Megatron's default)
+    lr_wsd_decay_iters: int | None = None  # WSD: the decay phase's length at the end of the decay steps
+    # with --train-samples the schedule counts samples, as Megatron's (the *_iters above must stay unset)
+    lr_warmup_samples: int = 0
+    lr_decay_samples: int | None = None  # None: train_samples
+    lr_wsd_decay_samples: int | None = None
 
 
 @dataclass
@@ -83,6 +95,8 @@ class CheckpointConfig:
     save_interval: int | None = None
     keep_last: int | None = None  # keep only the newest K checkpoints in `save` (None: all)
     allow_spec_change: bool = False  # load a checkpoint of another spec hash (names and shapes still checked)
+    no_load_optim: bool = False  # --load the weights, iteration and data position, not the optimizer state
+    finetune: bool = False  # --load the weights only: iteration 0, a fresh optimizer, the data from the start
 
 
 @dataclass
@@ -90,6 +104,19 @@ class LoggingConfig:
     run_dir: str = "runs/train"
     log_interval: int = 100
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
+    log_throughput: bool = False  # Megatron's --log-throughput; the log line always shows the throughput
+
+
+@dataclass
+class LossScaleConfig:
+    """fp16's loss scaling, Megatron's flags: a fixed --loss-scale, or dynamic (None) from
+    --initial-loss-scale, halved on an overflow after `hysteresis` of them, never below
+    --min-loss-scale, doubled after --loss-scale-window clean steps."""
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
 
 
 @dataclass
@@ -104,10 +131,14 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # None: micro_batch_size * dp (no accumulation)
-    train_iters: int = 100
+    train_iters: int | None = 100  # None with train_samples: derived, train_samples // global_batch_size
+    train_samples: int | None = None
+    exit_interval: int | None = None  # stop (saving with --save) after an iteration divisible by it
     eval_interval: int = 1000
     eval_iters: int = 10
     bf16: bool = False
+    fp16: bool = False  # fp16 parameters and autocast with dynamic loss scaling (LossScaleConfig)
+    loss_scale: LossScaleConfig = field(default_factory=lambda: LossScaleConfig())
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     torch_compile: str | None = None  # a torch.compile backend for each repeated layer (None: eager)
@@ -177,9 +208,9 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
             errors.append(f"--global-batch-size {cfg.global_batch_size} gives {cfg.num_micro_batches} micro-batch(es) "
                           f"per step, fewer than the {par.pp} pipeline stages the 1F1B schedules keep in flight "
                           f"(use --global-batch-size {par.pp * per_step} or more)")
-    for flag, value, least in (("--train-iters", cfg.train_iters, 1), ("--eval-interval", cfg.eval_interval, 1),
-                               ("--eval-iters", cfg.eval_iters, 0), ("--log-interval", cfg.logging.log_interval, 1),
-                               ("--lr-warmup-iters", cfg.schedule.lr_warmup_iters, 0)):
+    errors += _length_rules(cfg, errors)
+    for flag, value, least in (("--eval-interval", cfg.eval_interval, 1),
+                               ("--eval-iters", cfg.eval_iters, 0), ("--log-interval", cfg.logging.log_interval, 1)):
         if value < least:
             errors.append(f"{flag} must be at least {least}, got {value}")
     if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save_interval < 1:
@@ -211,14 +242,15 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
             errors.append(f"--adam-eps must be positive, got {opt.adam_eps}")
     if opt.bucket_size < 1:
         errors.append(f"--ddp-bucket-size must be at least 1, got {opt.bucket_size}")
-    sched = cfg.schedule
-    if sched.lr_decay_style not in DECAY_STYLES:
-        errors.append(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, got {sched.lr_decay_style!r}")
-    if sched.lr_decay_iters is not None and sched.lr_decay_iters < 1:
-        errors.append(f"--lr-decay-iters must be at least 1, got {sched.lr_decay_iters}")
-    decay_iters = sched.lr_decay_iters if sched.lr_decay_iters is not None else cfg.train_iters
-    if sched.lr_warmup_iters > decay_iters:
-        errors.append(f"--lr-warmup-iters {sched.lr_warmup_iters} exceeds the decay iterations {decay_iters}")
+    if opt.optimizer not in OPTIMIZERS:
+        errors.append(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {opt.optimizer!r}")
+    if not (math.isfinite(opt.sgd_momentum) and 0 <= opt.sgd_momentum < 1):
+        errors.append(f"--sgd-momentum must be in [0, 1), got {opt.sgd_momentum}")
+    if opt.overlap_param_gather and not opt.use_distributed_optimizer:
+        errors.append("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the distributed "
+                      "optimizer's parameter all-gather with the next forward)")
+    errors += _precision_rules(cfg)
+    errors += _schedule_rules(cfg)
     try:
         split_weights(cfg.data.split)
     except ValueError as e:
@@ -233,11 +265,96 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
                       "is split by --split; the others are a dataset per split)")
     elif cfg.data.train_data_path is None and any(p is not None for p in per_split):
         errors.append("--valid-data-path/--test-data-path need --train-data-path")
+    if cfg.exit_interval is not None and cfg.exit_interval < 1:
+        errors.append(f"--exit-interval must be at least 1, got {cfg.exit_interval}")
+    ckpt = cfg.checkpoint
+    for flag, on in (("--finetune", ckpt.finetune), ("--no-load-optim", ckpt.no_load_optim)):
+        if on and ckpt.load is None:
+            errors.append(f"{flag} needs --load DIR")
     if cfg.seed < 0:
         errors.append(f"--seed must be at least 0, got {cfg.seed}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         errors.append(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
     return errors
+
+
+def _length_rules(cfg: TrainConfig, errors: list) -> list:
+    """--train-iters or --train-samples (iterations = samples // global batch, as Megatron)."""
+    out = []
+    if cfg.train_samples is not None:
+        if cfg.train_samples < 1:
+            out.append(f"--train-samples must be at least 1, got {cfg.train_samples}")
+        elif not errors and cfg.global_batch_size:
+            iters = cfg.train_samples // cfg.global_batch_size
+            if iters < 1:
+                out.append(f"--train-samples {cfg.train_samples} is less than one global batch "
+                           f"({cfg.global_batch_size})")
+            elif cfg.train_iters is not None and cfg.train_iters != iters:
+                out.append("give one of --train-iters and --train-samples")
+            else:
+                cfg.train_iters = iters
+    elif cfg.train_iters is None:
+        out.append("give --train-iters N or --train-samples N")
+    elif cfg.train_iters < 1:
+        out.append(f"--train-iters must be at least 1, got {cfg.train_iters}")
+    return out
+
+
+def _precision_rules(cfg: TrainConfig) -> list:
+    out = []
+    if cfg.bf16 and cfg.fp16:
+        out.append("give one of --bf16 and --fp16")
+    ls = cfg.loss_scale
+    for flag, value in (("--loss-scale", ls.loss_scale), ("--initial-loss-scale", ls.initial_loss_scale),
+                        ("--min-loss-scale", ls.min_loss_scale)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            out.append(f"{flag} must be a positive number, got {value}")
+    if ls.min_loss_scale > ls.initial_loss_scale:
+        out.append(f"--min-loss-scale {ls.min_loss_scale} exceeds --initial-loss-scale {ls.initial_loss_scale}")
+    for flag, value in (("--loss-scale-window", ls.loss_scale_window), ("--hysteresis", ls.hysteresis)):
+        if value < 1:
+            out.append(f"{flag} must be at least 1, got {value}")
+    return out
+
+
+def _schedule_rules(cfg: TrainConfig) -> list:
+    out = []
+    sched = cfg.schedule
+    if sched.lr_decay_style not in DECAY_STYLES:
+        out.append(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, got {sched.lr_decay_style!r}")
+    if sched.lr_wsd_decay_style not in WSD_DECAY_STYLES:
+        out.append(f"--lr-wsd-decay-style must be one of {', '.join(WSD_DECAY_STYLES)}, got "
+                   f"{sched.lr_wsd_decay_style!r}")
+    by_samples = cfg.train_samples is not None
+    unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+    wrong = [f"--lr-{name.replace('_', '-')}-{other}" for name in ("warmup", "decay", "wsd_decay")
+             if getattr(sched, f"lr_{name}_{other}") not in (None, 0)]
+    if wrong:
+        out.append(f"{', '.join(wrong)} count {other}, but the run is given in "
+                   f"{'samples (--train-samples)' if by_samples else 'iterations (--train-iters)'}: use "
+                   + ", ".join(w.rsplit("-", 1)[0] + f"-{unit}" for w in wrong))
+    for name in ("decay", "wsd_decay"):
+        value = getattr(sched, f"lr_{name}_{unit}")
+        if value is not None and value < 1:
+            out.append(f"--lr-{name.replace('_', '-')}-{unit} must be at least 1, got {value}")
+    warmup = getattr(sched, f"lr_warmup_{unit}")
+    if warmup < 0:
+        out.append(f"--lr-warmup-{unit} must be at least 0, got {warmup}")
+    if sched.lr_warmup_fraction is not None:
+        if not (math.isfinite(sched.lr_warmup_fraction) and 0 <= sched.lr_warmup_fraction <= 1):
+            out.append(f"--lr-warmup-fraction must be in [0, 1], got {sched.lr_warmup_fraction}")
+        if warmup:
+            out.append(f"give one of --lr-warmup-fraction and --lr-warmup-{unit}")
+    if sched.lr_decay_style == "WSD" and getattr(sched, f"lr_wsd_decay_{unit}") is None:
+        out.append(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} N (the length of its final decay)")
+    if out or cfg.train_iters is None or cfg.global_batch_size is None:
+        return out
+    warmup, decay, wsd = schedule_steps(cfg)
+    if warmup > decay:
+        out.append(f"the warmup ({warmup:g} {unit}) exceeds the decay {unit} ({decay})")
+    elif sched.lr_decay_style == "WSD" and wsd > decay - warmup:
+        out.append(f"--lr-wsd-decay-{unit} {wsd} exceeds the decay {unit} after warmup ({decay - warmup:g})")
+    return out
 
 
 def model_rules(cfg: TrainConfig, model_config: dict) -> list[str]:
@@ -271,5 +388,23 @@ def split_weights(text: str) -> tuple[float, float, float]:
     return tuple(v / total for v in values)
 
 
-def decay_iters(cfg: TrainConfig) -> int:
-    return cfg.schedule.lr_decay_iters if cfg.schedule.lr_decay_iters is not None else cfg.train_iters
+def schedule_steps(cfg: TrainConfig) -> tuple:
+    """(warmup, decay, WSD decay) steps of the learning-rate schedule: iterations, or samples when
+    the run is given in samples (--train-samples), as Megatron's OptimizerParamScheduler. A
+    --lr-warmup-fraction is of the decay steps."""
+    sched = cfg.schedule
+    if cfg.train_samples is not None:
+        decay = sched.lr_decay_samples if sched.lr_decay_samples is not None else cfg.train_samples
+        warmup, wsd = sched.lr_warmup_samples, sched.lr_wsd_decay_samples
+    else:
+        decay = sched.lr_decay_iters if sched.lr_decay_iters is not None else cfg.train_iters
+        warmup, wsd = sched.lr_warmup_iters, sched.lr_wsd_decay_iters
+    if sched.lr_warmup_fraction is not None:
+        warmup = sched.lr_warmup_fraction * decay
+    return warmup, decay, wsd or 0
+
+
+def lr_step(cfg: TrainConfig, iteration: int) -> int:
+    """Where iteration `iteration` (from 1) stands on the schedule: the iteration, or with
+    --train-samples the samples consumed by the end of it."""
+    return iteration * cfg.global_batch_size if cfg.train_samples is not None else iteration

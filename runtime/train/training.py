@@ -21,10 +21,10 @@ from .. import api, comm, moe
 from ..compile import compile_layers
 from ..ddp import DistributedDataParallel
 from ..grads import finalize_model_grads
-from ..optim import Adam, LRSchedule
+from ..optim import SGD, Adam, ConstantGradScaler, DynamicGradScaler, FlatOptimizer, LRSchedule
 from ..parallel_state import ProcessGroups
 from ..random import RNGTracker
-from .config import TrainConfig, decay_iters
+from .config import TrainConfig, lr_step, schedule_steps
 
 # -- forward steps, one per model type -----------------------------------------------------------------
 
@@ -52,7 +52,7 @@ def forward_step_for(spec) -> Callable:
 class Setup:
     model: torch.nn.Module  # the compiled module
     ddp: DistributedDataParallel
-    optimizer: Adam
+    optimizer: FlatOptimizer  # Adam or SGD
     schedule: LRSchedule
     spec: object  # the compiled spec: spec.config is the resolved model config
     rng_tracker: RNGTracker
@@ -76,18 +76,23 @@ def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch
     module = api.load_module_from_source(source, spec.name)
     rng = RNGTracker(cfg.seed, pg.tp.rank, cp_rank=pg.cp.rank)  # CP ranks' tokens get their own masks
     model = module.build_model(pg, seed=cfg.seed, rng_tracker=rng).to(device)
-    if cfg.bf16:
-        model = model.to(torch.bfloat16)  # the optimizer keeps fp32 master weights
+    if cfg.bf16 or cfg.fp16:
+        model = model.to(torch.bfloat16 if cfg.bf16 else torch.float16)  # the optimizer keeps fp32 master weights
     if cfg.torch_compile:
         compile_layers(model, cfg.torch_compile)  # in place: parameter names and objects unchanged
     opt = cfg.optimizer
     ddp = DistributedDataParallel(model, pg, bucket_size=opt.bucket_size,
                                   grad_reduce="reduce_scatter" if opt.use_distributed_optimizer else "all_reduce",
                                   overlap_grad_reduce=opt.overlap_grad_reduce)
-    optimizer = Adam(ddp, pg, distributed=opt.use_distributed_optimizer, weight_decay=opt.weight_decay,
-                     beta1=opt.adam_beta1, beta2=opt.adam_beta2, eps=opt.adam_eps, clip_grad=opt.clip_grad)
-    schedule = LRSchedule(opt.lr, opt.min_lr, cfg.schedule.lr_warmup_iters, decay_iters(cfg),
-                          cfg.schedule.lr_decay_style)
+    common = dict(distributed=opt.use_distributed_optimizer, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad,
+                  grad_scaler=grad_scaler(cfg), overlap_param_gather=opt.overlap_param_gather)
+    if opt.optimizer == "sgd":
+        optimizer = SGD(ddp, pg, momentum=opt.sgd_momentum, **common)
+    else:
+        optimizer = Adam(ddp, pg, beta1=opt.adam_beta1, beta2=opt.adam_beta2, eps=opt.adam_eps, **common)
+    warmup, decay, wsd = schedule_steps(cfg)
+    schedule = LRSchedule(opt.lr, opt.min_lr, warmup, decay, cfg.schedule.lr_decay_style, wsd,
+                          cfg.schedule.lr_wsd_decay_style)
     pipeline = None
     if pg.pp.size > 1:
         from ..pipeline import Pipeline
@@ -97,8 +102,19 @@ def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch
     return Setup(model, ddp, optimizer, schedule, spec, rng, device, forward_step_for(spec), pipeline)
 
 
+def grad_scaler(cfg: TrainConfig):
+    """fp16's loss scaler (None without --fp16): a fixed --loss-scale, else dynamic."""
+    if not cfg.fp16:
+        return None
+    ls = cfg.loss_scale
+    if ls.loss_scale is not None:
+        return ConstantGradScaler(ls.loss_scale)
+    return DynamicGradScaler(ls.initial_loss_scale, ls.min_loss_scale, growth_interval=ls.loss_scale_window,
+                             hysteresis=ls.hysteresis)
+
+
 @torch.no_grad()
-def reload_master_weights(optimizer: Adam) -> None:
+def reload_master_weights(optimizer: FlatOptimizer) -> None:
     """After the model's weights were replaced (a weights-only checkpoint): the optimizer's fp32
     master weights, a separate copy when the parameters are bf16, start from them again.
     Without this the first step would write the old masters back over the loaded weights."""
@@ -118,6 +134,9 @@ class StepResult:
 
 
 def _autocast(setup: Setup, bf16: bool):
+    """bf16 autocast (bf16 True), or fp16 autocast when the parameters are fp16 (--fp16)."""
+    if setup.ddp.param_dtype == torch.float16:
+        return torch.autocast(device_type=setup.device.type, dtype=torch.float16)
     if not bf16:
         return contextlib.nullcontext()
     return torch.autocast(device_type=setup.device.type, dtype=torch.bfloat16)
@@ -130,7 +149,9 @@ def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, 
     ddp = setup.ddp
     ddp.zero_grad_buffer()
     n = len(micro_batches)
-    moe.set_aux_loss_scale(setup.model, 1.0 / n)  # the auxiliary losses weigh as the LM loss / n
+    scaler = setup.optimizer.grad_scaler
+    scale = scaler.scale if scaler is not None else 1.0  # fp16: the optimizer unscales
+    moe.set_aux_loss_scale(setup.model, scale / n)  # the auxiliary losses weigh as the LM loss / n
     total = torch.zeros((), dtype=torch.float32, device=setup.device)
     aux: dict = {}  # the MoE auxiliary losses, mean over the micro-batches
     if setup.pipeline is not None:
@@ -143,7 +164,7 @@ def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, 
         with contextlib.nullcontext() if i == n - 1 else ddp.no_sync():
             with _autocast(setup, bf16):
                 loss = setup.forward_step(ddp, batch)
-            (loss / n).backward()
+            (loss * (scale / n)).backward()
         total += loss.detach()
         for name, value in moe.aux_losses(setup.model).items():
             aux[name] = aux.get(name, 0.0) + value / n
@@ -229,7 +250,7 @@ def train(setup: Setup, datasets: dict, cfg: TrainConfig, pg: ProcessGroups, rep
         iteration = state.iteration + 1
         if before_step is not None:
             before_step(iteration)
-        lr = setup.schedule(iteration)
+        lr = setup.schedule(lr_step(cfg, iteration))
         start = time.perf_counter()
         batches = [micro_batch(datasets["train"], state.consumed_samples, m, cfg, pg, setup.device)
                    for m in range(cfg.num_micro_batches)]
@@ -249,6 +270,10 @@ def train(setup: Setup, datasets: dict, cfg: TrainConfig, pg: ProcessGroups, rep
             evaluated_at = iteration
         if save_fn is not None and cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
             save_fn(state)
+        if cfg.exit_interval and iteration % cfg.exit_interval == 0:
+            reporter.info(f"exiting after iteration {iteration} (--exit-interval {cfg.exit_interval})")
+            break
+    setup.ddp.finish_param_sync()  # --overlap-param-gather: the last step's gathers, before anyone reads
     if cfg.eval_iters > 0 and evaluated_at != state.iteration:
         reporter.evaluation(iteration=state.iteration, loss=evaluate(setup, datasets["valid"], cfg, pg))
     return losses

@@ -57,6 +57,9 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    help="gradient elements per data-parallel bucket (default 4000000)")
     g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                    help="reduce gradients after backward instead of overlapping with it")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: each bucket's parameter all-gather runs until the next "
+                   "forward reaches a module that uses it")
 
     g = p.add_argument_group("model (override the spec's config)")
     for key, flag in MEGATRON_CONFIG_FLAGS.items():
@@ -68,12 +71,26 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--micro-batch-size", type=int, default=1, metavar="B")
     g.add_argument("--global-batch-size", type=int, default=None, metavar="B",
                    help="default: micro batch * DP (no accumulation)")
-    g.add_argument("--train-iters", type=int, default=100, metavar="N")
+    g.add_argument("--train-iters", type=int, default=None, metavar="N", help="default 100")
+    g.add_argument("--train-samples", type=int, default=None, metavar="N",
+                   help="instead of --train-iters: iterations = N // global batch, and the lr schedule counts samples")
+    g.add_argument("--exit-interval", type=int, default=None, metavar="N",
+                   help="stop after an iteration divisible by N (saving a checkpoint with --save)")
     g.add_argument("--eval-interval", type=int, default=1000, metavar="N")
     g.add_argument("--eval-iters", type=int, default=10, metavar="N", help="global batches per evaluation (0: none)")
     g.add_argument("--log-interval", type=int, default=100, metavar="N")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and autocast, fp32 master weights and grads")
+    g.add_argument("--fp16", action="store_true", help="fp16 parameters and autocast, fp32 master weights and grads, "
+                   "loss scaling (dynamic unless --loss-scale)")
+    g.add_argument("--loss-scale", type=float, default=None, metavar="S", help="fp16: a fixed loss scale")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, metavar="S",
+                   help="fp16 dynamic loss scaling: the first scale (default 2**32)")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, metavar="S", help="fp16: the smallest scale (1)")
+    g.add_argument("--loss-scale-window", type=int, default=1000, metavar="N",
+                   help="fp16: steps without an overflow before the scale doubles (1000)")
+    g.add_argument("--hysteresis", type=int, default=2, metavar="N",
+                   help="fp16: overflows tolerated before the scale halves (2)")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each repeated layer (regionally, as torchtitan does)")
@@ -82,12 +99,25 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
 
     recompute_flags(p)
 
-    g = p.add_argument_group("optimizer (AdamW) and learning rate")
+    g = p.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"),
+                   help="adam (AdamW: decoupled weight decay) or sgd (with --sgd-momentum, L2 weight decay)")
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--lr", type=float, default=1.0e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0, metavar="N")
-    g.add_argument("--lr-decay-style", default="linear", choices=("constant", "linear", "cosine"))
+    g.add_argument("--lr-warmup-samples", type=int, default=0, metavar="N", help="with --train-samples")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, metavar="F",
+                   help="warmup as a fraction of the decay iterations (or samples)")
+    g.add_argument("--lr-decay-style", default="linear", choices=("constant", "linear", "cosine", "WSD"))
     g.add_argument("--lr-decay-iters", type=int, default=None, metavar="N", help="default: --train-iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None, metavar="N", help="default: --train-samples")
+    g.add_argument("--lr-wsd-decay-style", default="exponential", choices=("linear", "cosine", "exponential",
+                                                                           "minus_sqrt"),
+                   help="WSD: the shape of the final decay (default exponential)")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, metavar="N",
+                   help="WSD: the final decay's length, ending at the decay iterations")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None, metavar="N", help="WSD with --train-samples")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -117,6 +147,10 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--save-interval", type=int, default=None, metavar="N")
     g.add_argument("--keep-last", type=int, default=None, metavar="K",
                    help="keep only the newest K checkpoints in --save (default: all)")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="--load the weights, iteration and data position, with a fresh optimizer")
+    g.add_argument("--finetune", action="store_true",
+                   help="--load the weights only: iteration 0, a fresh optimizer, the data from its start")
     g.add_argument("--allow-spec-change", action="store_true",
                    help="--load a checkpoint saved from another version of the spec (names and shapes still must match)")
     g.add_argument("--run-dir", default=None, metavar="DIR",
@@ -124,6 +158,8 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="progress bar (default: when stderr is a terminal)")
     g.add_argument("--no-progress", dest="progress", action="store_false")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="accepted for Megatron's scripts: the log line always shows the throughput")
 
 
 def build_rank_parser() -> argparse.ArgumentParser:

@@ -236,6 +236,8 @@ class Dropout(OpKind):
         layout = node.in_layouts[0]["tp"]
         stream = "default" if layout in ("I", "R") else "tensor-parallel"
         where = f', layout="{layout}", tp=self.tp' if layout in ("S(s)", "S(h)") and ctx.tp > 1 else ""
+        if ctx.cp > 1 and node.in_layouts[0]["cp"] == "S(s)":
+            where += ", cp=self.cp"  # TP-invariant masks follow the load-balanced chunks
         return f'runtime.Dropout({node.attrs["p"]!r}, rng_tracker=rng_tracker, stream="{stream}"{where})'
 
     def call(self, node, args, ctx):

@@ -33,6 +33,7 @@ def plan_text(plan) -> str:
         f"# specc plan {plan.spec_name} ({os.path.basename(plan.spec_path)})",
         f"# specc {plan.version}  spec sha256 {plan.spec_hash[:16]}",
         f"# settings: {s.describe()}",
+        f"# bytes at {s.dtype} (--dtype bf16|fp16|fp32); specc train runs at fp32 unless --bf16 or --fp16",
         "# per rank; AR all-reduce, AG all-gather, RS reduce-scatter" + ("; SEND/RECV point-to-point" if s.cp > 1 else "")
         + ("; A2A all-to-all (uniform routing)" if s.ep > 1 else "")
         + "; bytes as the collective moves them",

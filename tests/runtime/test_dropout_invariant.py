@@ -21,6 +21,23 @@ def test_sequence_sharded_dropout_slices_the_full_mask():
     assert torch.equal(torch.cat(pieces, dim=0), full)
 
 
+def test_context_parallel_dropout_keeps_the_load_balanced_chunks_then_the_tp_slice():
+    """CP=2 x TP=2 with SP: rank (c, t) holds chunks c and 3-c of the sequence (cut in 4), and TP
+    slice t of those rows; its mask is that piece of the full sequence's mask."""
+    from runtime.context_parallel import load_balanced_positions
+
+    x = torch.randn(16, 2, 6)
+    full = Dropout(0.5, rng_tracker=RNGTracker(3, 0, tp_invariant=True))(x)
+    for c in range(2):
+        cp = Group(size=2, rank=c, group=None, ranks=(0, 1), name="cp")
+        rows = x.index_select(0, load_balanced_positions(8, cp))
+        for t in range(2):
+            mine = Dropout(0.5, rng_tracker=RNGTracker(3, t, tp_invariant=True, cp_rank=c), stream="tensor-parallel",
+                           layout="S(s)", tp=rank_group(t, 2), cp=cp)(rows.chunk(2, dim=0)[t])
+            expected = full.index_select(0, load_balanced_positions(8, cp)).chunk(2, dim=0)[t]
+            assert torch.equal(mine, expected), (c, t)
+
+
 def test_feature_sharded_dropout_slices_the_full_mask():
     x = torch.randn(4, 2, 8)
     full = Dropout(0.3, rng_tracker=RNGTracker(5, 0, tp_invariant=True))(x)

@@ -180,7 +180,9 @@ def test_tiny_specs_verify_with_context_parallelism(spec, comm):
 
 
 def test_context_parallelism_at_cp4_and_a_missing_cp_reduction_is_caught():
-    result = verify("specs/gpt-tiny.yaml", "--tp", "1", "--cp", "4", "--cp-comm-type", "p2p", "--steps", "1")
+    # with dropout in the exact (TP-invariant) mode: the masks follow the load-balanced chunks
+    result = verify("specs/gpt-tiny.yaml", "--tp", "1", "--cp", "4", "--cp-comm-type", "p2p", "--steps", "1", *DROPOUT,
+                    "--tp-invariant-dropout")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().splitlines()[-1] == "22 passed, 0 failed (2 settings)"
     broken = verify("specs/gpt-tiny.yaml", "--tp", "1", "--cp", "2", "--cp-comm-type", "p2p", "--steps", "1",
