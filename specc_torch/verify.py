@@ -652,7 +652,8 @@ def _compare_named(setting, label, ref: dict, got: dict, tol, atol) -> Row:
 
 def _settings(cfg: VerifyConfig) -> list:
     """(tp, cp, cp comm type, sp, ep) of every setting to check, in a fixed order. Expert
-    parallelism takes ep of the data-parallel ranks: a setting runs where tp * cp * ep ranks fit."""
+    parallelism takes ep of the data-parallel ranks (the world fits every TP x EP, _world); it does
+    not combine with context parallelism, so EP > 1 runs at CP = 1 only."""
     out = []
     world = _world(cfg)
     for cp in cfg.cps:
@@ -680,16 +681,17 @@ def _world(cfg: VerifyConfig) -> int:
     for cp in cfg.cps:
         for tp in cfg.tps:
             world = math.lcm(world, tp * cp)
-    for ep in cfg.eps:
-        world = math.lcm(world, ep)
+    for ep in cfg.eps:  # expert parallelism runs without CP, over ep of each TP size's data-parallel ranks
+        for tp in (cfg.tps if ep > 1 else [1]):
+            world = math.lcm(world, tp * ep)
     for pp, _, dp, tp, cp, _ in _pipeline_settings(cfg):
         world = math.lcm(world, pp * dp * tp * cp)
     return world
 
 
 def world_size(cfg: VerifyConfig) -> int:
-    """Ranks every setting can run on: the least common multiple of the TP x CP sizes and the EP
-    sizes (an EP size runs with each TP size whose product with it divides that)."""
+    """Ranks every setting can run on: the least common multiple of the TP x CP and TP x EP sizes,
+    so every requested EP size runs with every requested TP size."""
     return _world(cfg)
 
 
