@@ -690,8 +690,9 @@ def _world(cfg: VerifyConfig) -> int:
 
 
 def world_size(cfg: VerifyConfig) -> int:
-    """Ranks every setting can run on: the least common multiple of the TP x CP and TP x EP sizes,
-    so every requested EP size runs with every requested TP size."""
+    """Ranks every setting can run on: the least common multiple of the TP x CP and TP x EP sizes
+    (every requested EP size runs with every requested TP size) and of each pipeline setting's
+    PP x DP x TP x CP."""
     return _world(cfg)
 
 
