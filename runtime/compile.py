@@ -17,12 +17,13 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 def repeated_layers(model: nn.Module) -> list:
-    """(name, module) of every layer of every nn.ModuleList in the model (its repeated blocks)."""
+    """(name, module) of every layer of every nn.ModuleList or nn.ModuleDict in the model (its
+    repeated blocks; a pipeline stage keeps its layers in a ModuleDict keyed by global index)."""
     out = []
     for name, module in model.named_modules():
         inside = any(name.startswith(prefix + ".") for prefix, _ in out)  # a list inside a layer: compiled with it
-        if isinstance(module, nn.ModuleList) and not inside:
-            out += [(f"{name}.{i}" if name else str(i), layer) for i, layer in enumerate(module)]
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and not inside:
+            out += [(f"{name}.{key}" if name else str(key), layer) for key, layer in module.named_children()]
     return out
 
 

@@ -63,6 +63,9 @@ def test_repeated_layers_are_the_outermost_lists():
             self.head = nn.Linear(2, 2)
 
     assert [n for n, _ in repeated_layers(Model())] == ["layers.0", "layers.1", "layers.2"]
+    stage = nn.Module()  # a pipeline stage: its layers keyed by their global index
+    stage.layers = nn.ModuleDict({"4": Expert(), "5": Expert()})
+    assert [n for n, _ in repeated_layers(stage)] == ["layers.4", "layers.5"]
     flat = nn.Sequential(nn.Linear(2, 2))
     assert compile_layers(flat, "eager") == 1 and is_compiled(flat)  # no repeated layers: the whole model
     with pytest.raises(ValueError, match="backend must be one of"):
