@@ -9,7 +9,8 @@ Checks, in order (each is skipped with its reason when the machine cannot run it
                 device against the same model on the CPU, within 1e-4 of the largest value
   backends      TransformerEngine (`--backend te`) and flash-attn against the native path on the
                 device, bf16 autocast: the same loss within bf16 tolerance (compile, run, compare)
-  nccl_verify   `specc verify` on NCCL at TP 1,2 (SP both) when there are at least 2 GPUs
+  nccl_verify   `specc train` of the tiny GPT at TP=2 with SP on 2 GPUs over NCCL against the same
+                3 steps at TP=1: the same losses (1e-4 relative), when there are at least 2 GPUs
   bench_124m    a bf16 training step of the 124M GPT (specs/gpt.yaml, seq 1024): step time,
                 tokens/s, MFU against a measured bf16 GEMM peak, and peak memory against the plan
 
@@ -158,15 +159,37 @@ def check_backends(device: str, machine: Machine, seed: int = 1234) -> Result:
     return Result("backends", "fail" if bad else "pass", f"loss {detail}", numbers=losses)
 
 
-def check_nccl_verify(timeout_s: float) -> Result:
-    cmd = [sys.executable, "-m", "specc", "verify", os.path.join(ROOT, TINY_SPECS[0]), "--tp", "1,2", "--sp", "both",
-           "--device", "cuda"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return Result("nccl_verify", "fail", f"timed out after {timeout_s:.0f} s: {' '.join(cmd[1:])}")
-    tail = (out.stdout + out.stderr).strip().splitlines()[-1:] or [""]
-    return Result("nccl_verify", "pass" if out.returncode == 0 else "fail", f"`{' '.join(cmd[2:])}`: {tail[0]}")
+def _train_losses(run_dir: str, device: str, nproc: int, extra: list, timeout_s: float) -> list:
+    """Per-iteration training losses of a short `specc train` on mock data (metrics.jsonl)."""
+    cmd = [sys.executable, "-m", "specc", "train", os.path.join(ROOT, TINY_SPECS[0]), "--nproc-per-node", str(nproc),
+           "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",
+           "--log-interval", "1", "--eval-iters", "0", "--device", device, "--run-dir", run_dir, *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    if out.returncode != 0:
+        tail = [ln for ln in (out.stdout + out.stderr).strip().splitlines() if ln.strip()][-1:] or [""]
+        raise RuntimeError(f"`specc train ... {' '.join(extra)}` failed: {tail[0]}")
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r["loss"] for r in records if r.get("kind") == "train"]
+
+
+def check_multi_rank(device: str, nproc: int, timeout_s: float) -> Result:
+    """The tiny GPT trained 3 steps at TP=2 with SP on `nproc` ranks (NCCL on CUDA) against the same
+    run at TP=1 on one rank: the same losses (the data, weights and steps do not depend on TP)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        ref = _train_losses(os.path.join(tmp, "tp1"), device, 1, [], timeout_s)
+        got = _train_losses(os.path.join(tmp, "tp2"), device, nproc,
+                            ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                            max(timeout_s - (time.perf_counter() - start), 10))
+    if len(ref) != 3 or len(got) != 3:
+        return Result("nccl_verify", "fail", f"expected 3 logged steps, got {len(ref)} and {len(got)}")
+    worst = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
+    detail = (f"specc train gpt-tiny 3 steps, TP=2+SP on {nproc} ranks vs TP=1: losses "
+              + ", ".join(f"{b:.5f}/{a:.5f}" for a, b in zip(ref, got)) + f", worst relative {worst:.1e}")
+    return Result("nccl_verify", "pass" if worst <= 1e-4 else "fail", detail, numbers={"worst_relative": worst})
 
 
 def gemm_peak_tflops(device: str, dtype: torch.dtype, n: int, repeats: int = 10) -> float:
@@ -270,7 +293,7 @@ def run_checks(machine: Machine, args) -> list:
             elif name == "backends":
                 r = check_backends(machine.device, machine)
             elif name == "nccl_verify":
-                r = check_nccl_verify(timeout_s=max(left - 10, 10))
+                r = check_multi_rank(machine.device, 2, timeout_s=max(left - 10, 10))
             else:
                 r = check_bench(machine.device, args.bench_spec, args.micro_batch, args.steps, args.gemm_n,
                                 dict(args.set))

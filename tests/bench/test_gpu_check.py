@@ -90,3 +90,20 @@ def test_the_whole_check_runs_on_the_cpu(tmp_path):
     assert numbers["step_ms"] > 0 and 0 < numbers["mfu"] and numbers["gemm_peak_tflops"] > 0
     assert numbers["plan_bytes"] > 0 and numbers["measured_bytes"] is None  # measured on CUDA only
     assert "## GPU check" in doc.read_text() and "bench_124m | pass" in doc.read_text()
+
+
+def test_the_multi_rank_check_compares_the_tp2_losses_with_tp1(monkeypatch):
+    """On a GPU it runs `specc train` twice (TP=1, TP=2+SP over NCCL); run by hand on gloo it gave
+    identical losses. Here the comparison itself: equal passes, a 1e-3 drift fails."""
+    runs = {}
+
+    def fake(run_dir, device, nproc, extra, timeout_s):
+        runs[os.path.basename(run_dir)] = (nproc, extra)
+        return [5.5, 5.4, 5.3] if nproc == 1 else losses
+
+    monkeypatch.setattr(gpu_check, "_train_losses", fake)
+    losses = [5.5, 5.4, 5.3 * (1 + 1e-6)]
+    assert gpu_check.check_multi_rank("cuda", 2, 60).status == "pass"
+    assert runs["tp2"] == (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]) and runs["tp1"][0] == 1
+    losses = [5.5, 5.4 * (1 + 1e-3), 5.3]
+    assert gpu_check.check_multi_rank("cuda", 2, 60).status == "fail"
