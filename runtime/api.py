@@ -33,6 +33,16 @@ def load_module_from_source(source: str, name_hint: str = "specc_model") -> type
     return module
 
 
+def load_module_from_file(path: str) -> types.ModuleType:
+    """Import a generated model.py by its real path, so tracebacks inside the model show its
+    source lines (a module exec'd from a string has none to show)."""
+    name = "_specc_file_" + hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_generated(directory: str) -> types.ModuleType:
     """Import generated/NAME/model.py by path."""
     path = os.path.join(directory, "model.py")

@@ -81,7 +81,9 @@ def config_from_args(args) -> TrainConfig:
                                     finetune=args.finetune),
         logging=LoggingConfig(run_dir=args.run_dir or os.path.join("runs", _spec_stem(args.spec)),
                               log_interval=args.log_interval, progress=args.progress,
-                              log_throughput=args.log_throughput),
+                              log_throughput=args.log_throughput,
+                              tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project,
+                              wandb_exp_name=args.wandb_exp_name, peak_tflops=args.peak_tflops),
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters if args.train_iters is not None or args.train_samples is not None else 100,
         train_samples=args.train_samples, exit_interval=args.exit_interval,
@@ -144,6 +146,33 @@ def compile_model(cfg: TrainConfig):
     return source, spec
 
 
+RUN_FILES = ("model.py", "plan.txt", "plan.json")
+
+
+def compile_run(cfg: TrainConfig):
+    """(generated source, spec, plan) for the configured spec and settings: the model and the
+    plan that trains, as compile_model, plus the plan (specc.plan.Plan) of the same graph."""
+    from specc.plan import build_plan
+
+    source, spec, graph = compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=cfg.overrides,
+                                         micro_batch_size=cfg.micro_batch_size,
+                                         dtype="bf16" if cfg.bf16 else "fp32", cp=cfg.parallel.cp,
+                                         cp_comm_type=cfg.parallel.cp_comm_type)
+    return source, spec, build_plan(graph)
+
+
+def write_run_files(run_dir: str, source: str, plan) -> str:
+    """RUN_DIR/model.py, plan.txt and plan.json: exactly what trains (each written atomically; a
+    resumed run writes what it trains now). Returns model.py's path."""
+    from specc.files import atomic_write_text
+    from specc.plan import plan_json, plan_text
+
+    os.makedirs(run_dir, exist_ok=True)
+    for name, text in zip(RUN_FILES, (source, plan_text(plan), plan_json(plan))):
+        atomic_write_text(os.path.join(run_dir, name), text)
+    return os.path.join(run_dir, RUN_FILES[0])
+
+
 # -- checks shared by the launcher and every rank ----------------------------------------------------
 
 def check(cfg: TrainConfig, world_size: int):
@@ -179,11 +208,12 @@ def check(cfg: TrainConfig, world_size: int):
 
 
 def output_rules(cfg: TrainConfig) -> list:
-    """--save and --run-dir name folders: each must be one, or be creatable."""
+    """--save, --run-dir and --tensorboard-dir name folders: each must be one, or be creatable."""
     from runtime.checkpoint import CheckpointError, latest_step
 
     errors = []
-    for flag, path in (("--save", cfg.checkpoint.save), ("--run-dir", cfg.logging.run_dir)):
+    for flag, path in (("--save", cfg.checkpoint.save), ("--run-dir", cfg.logging.run_dir),
+                       ("--tensorboard-dir", cfg.logging.tensorboard_dir)):
         if path is None:
             continue
         problem = _folder_problem(path)
@@ -468,6 +498,7 @@ def run(cfg: TrainConfig, stream=None) -> int:
     from runtime.checkpoint import resolve as checkpoint_path
     from runtime.parallel_state import ProcessGroups
     from runtime.train.report import NullReporter, Reporter
+    from runtime.train.throughput import given_peak, measure_peak
     from runtime.train.training import (
         TrainState,
         reload_master_weights,
@@ -529,17 +560,34 @@ def run(cfg: TrainConfig, stream=None) -> int:
                 check(cfg, world)
             except (ConfigError, SpecError, DataError) as e:
                 return fail(e)
-        setup = setup_model_and_optimizer(cfg, pg, device, compiled=compile_model(cfg))
+        source, spec, plan = compile_run(cfg)
+        model_file = os.path.join(cfg.logging.run_dir, RUN_FILES[0])
+        if local_rank == 0:  # one writer per node (the same bytes: a shared run directory is fine)
+            write_run_files(cfg.logging.run_dir, source, plan)
+        if world > 1:
+            dist.barrier()
+        setup = setup_model_and_optimizer(cfg, pg, device, compiled=(source, spec), model_file=model_file)
         seq = setup.spec.config["seq_length"]
         datasets = build_datasets(cfg.data.data_path, seq, cfg.seed, split_weights(cfg.data.split),
                                   mock=cfg.data.mock_data, vocab_size=setup.spec.config["vocab_size"],
                                   split_paths=split_paths(cfg))
         append = bool(load and not weights_only) or restart > 0
+        dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        peak = given_peak(cfg.logging.peak_tflops) if cfg.logging.peak_tflops else measure_peak(device, dtype)
         if rank == 0:  # a resumed run (or a restarted one) appends to its metrics; a new one starts afresh
-            reporter = Reporter(cfg.logging.run_dir, cfg.train_iters, cfg.logging.log_interval,
-                                progress=cfg.logging.progress, stream=stream, append=append)
+            log = cfg.logging
+            reporter = Reporter(log.run_dir, cfg.train_iters, log.log_interval, progress=log.progress, stream=stream,
+                                append=append, tensorboard_dir=log.tensorboard_dir, peak=peak,
+                                wandb_project=log.wandb_project, wandb_exp_name=log.wandb_exp_name)
+        flops_per_iteration = plan.totals["flops_per_step"] * cfg.num_micro_batches
+        reporter.info(f"peak {peak.tflops:.3f} TFLOP/s per rank, {peak.source}; a step's FLOPs per rank "
+                      f"{flops_per_iteration:,} (the compiled plan's matrix multiplies, {cfg.num_micro_batches} "
+                      f"micro-batch{'es' if cfg.num_micro_batches > 1 else ''}); MFU = achieved TFLOP/s / peak")
         reporter.start(cfg.to_dict(), setup.spec.config)
         _report_setup(reporter, cfg, setup, pg, datasets)
+        reporter.info(f"run directory {cfg.logging.run_dir}: {', '.join(RUN_FILES)} (the model is imported from "
+                      f"its model.py), config.json, metrics.jsonl; TensorBoard in "
+                      f"{cfg.logging.tensorboard_dir or os.path.join(cfg.logging.run_dir, 'tensorboard')}")
         if restart > 0:
             reporter.info(f"elastic restart {restart}: "
                           + (f"resuming from {load}" if load else "no checkpoint to resume from, starting over"))
@@ -593,7 +641,9 @@ def run(cfg: TrainConfig, stream=None) -> int:
             reporter.info(f"saved checkpoint {path}")
 
         losses = train(setup, datasets, cfg, pg, reporter, state, save_fn=save if cfg.checkpoint.save else None,
-                       before_step=_test_kill_hook(rank, world, restart))
+                       before_step=_test_kill_hook(rank, world, restart), flops_per_iteration=flops_per_iteration,
+                       after_first_step=lambda measured: reporter.info(memory_report(plan.totals, measured, cfg,
+                                                                                     pg, setup.device)))
         if cfg.checkpoint.save and not (cfg.checkpoint.save_interval and
                                         state.iteration % cfg.checkpoint.save_interval == 0):
             save(state)
@@ -654,6 +704,22 @@ def _fp16_text(cfg: TrainConfig) -> str:
         return f"fp16 autocast, loss scale {ls.loss_scale:g}, "
     return (f"fp16 autocast, dynamic loss scale from {ls.initial_loss_scale:g} (min {ls.min_loss_scale:g}, "
             f"window {ls.loss_scale_window}, hysteresis {ls.hysteresis}), ")
+
+
+def memory_report(totals: dict, measured: dict, cfg: TrainConfig, pg, device) -> str:
+    """The plan's memory per rank next to what the first step measured, by what holds it."""
+    from runtime.train.training import max_memory_mb
+    from specc.plan.render import human_bytes
+
+    dp = pg.dp.size if cfg.optimizer.use_distributed_optimizer else 1  # the plan's Adam is not sharded over DP
+    planned = {"parameters": totals["parameter_bytes"], "gradients": totals["gradient_bytes"],
+               "optimizer": totals["optimizer_bytes"] // dp, "activations": totals["activation_bytes"]}
+    rows = " | ".join(f"{name} {human_bytes(planned[name])} / {human_bytes(measured[name])}" for name in planned)
+    peak = ("peak allocated" if device.type == "cuda" else "peak resident set (the whole process, torch included)")
+    return (f"memory per rank, plan / measured after the first step: {rows} (activations: one micro-batch, "
+            f"measured as the unique storages autograd saved for backward; optimizer: Adam moments"
+            f"{' and fp32 masters' if cfg.bf16 else ''}{f', over DP={dp}' if dp > 1 else ''}); "
+            f"{peak} {max_memory_mb(device):.1f} MiB")
 
 
 def _report_setup(reporter, cfg: TrainConfig, setup, pg, datasets) -> None:

@@ -105,6 +105,10 @@ class LoggingConfig:
     log_interval: int = 100
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
     log_throughput: bool = False  # Megatron's --log-throughput; the log line always shows the throughput
+    tensorboard_dir: str | None = None  # None: RUN_DIR/tensorboard
+    wandb_project: str | None = None  # Weights & Biases, imported only when a project is given
+    wandb_exp_name: str | None = None
+    peak_tflops: float | None = None  # per rank, for MFU; None: measured with a GEMM at the start
 
 
 @dataclass
@@ -275,6 +279,17 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"--seed must be at least 0, got {cfg.seed}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         errors.append(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
+    log = cfg.logging
+    if log.peak_tflops is not None and not log.peak_tflops > 0:
+        errors.append(f"--peak-tflops must be positive, got {log.peak_tflops}")
+    if log.wandb_exp_name is not None and log.wandb_project is None:
+        errors.append("--wandb-exp-name needs --wandb-project NAME")
+    if log.wandb_project is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:  # found, not imported: that waits for the run
+            errors.append(f"--wandb-project {log.wandb_project}: the wandb package is not installed "
+                          "(pip install wandb, or leave out --wandb-project)")
     return errors
 
 

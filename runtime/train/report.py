@@ -1,6 +1,7 @@
-"""What a run shows and keeps: Megatron-style log lines, a progress bar with ETA on interactive
-terminals, metrics as JSONL, and TensorBoard event files, all in the run directory. Only one
-rank (global rank 0) writes; the others get a Reporter that does nothing."""
+"""What a run shows and keeps: Megatron-style log lines (with TFLOP/s per rank and MFU), a tqdm
+progress bar on interactive terminals, metrics as JSONL, TensorBoard event files through
+torch.utils.tensorboard's SummaryWriter, and Weights & Biases when a project is given (imported
+only then). Only one rank (global rank 0) writes; the others get a Reporter that does nothing."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import math
 import os
 import sys
 import time
-
-from .tensorboard import EventWriter
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
@@ -47,59 +46,89 @@ class NullReporter:
 
 
 class Reporter:
+    """peak: a throughput.Peak (per rank) for MFU; None: TFLOP/s without MFU."""
+
     def __init__(self, run_dir: str, train_iters: int, log_interval: int, progress: bool | None = None,
-                 stream=None, bar_stream=None, append: bool = False):
+                 stream=None, bar_stream=None, append: bool = False, tensorboard_dir: str | None = None,
+                 peak=None, wandb_project: str | None = None, wandb_exp_name: str | None = None):
         self.run_dir = run_dir
         self.train_iters, self.log_interval = train_iters, log_interval
         self.stream = stream or sys.stdout
         self.bar_stream = bar_stream or sys.stderr
         self.progress = self.bar_stream.isatty() if progress is None else progress
+        self.peak = peak
         os.makedirs(run_dir, exist_ok=True)
         # A resumed run appends to its metrics; a new run starts them afresh.
         self._metrics = open(os.path.join(run_dir, METRICS), "a" if append else "w", encoding="utf-8")
-        self._tb = EventWriter(os.path.join(run_dir, "tensorboard"))
+        self.tensorboard_dir = tensorboard_dir or os.path.join(run_dir, "tensorboard")
+        self._tb_writer = None  # opened at the first scalar (a resumed run first says where to purge)
+        self._purge_step = None
+        self._wandb = None
+        self._wandb_args = (wandb_project, wandb_exp_name) if wandb_project else None
         self._window: list = []
-        self._bar_shown = False
-        self._start = time.monotonic()
-        self._first_iteration = None
+        self._bar = None
+
+    @property
+    def _tb(self):
+        if self._tb_writer is None:
+            self._tb_writer = _summary_writer(self.tensorboard_dir, self._purge_step)
+        return self._tb_writer
 
     # -- plain lines ----------------------------------------------------------------------------------
 
     def info(self, text: str) -> None:
-        self._clear_bar()
-        print(text, file=self.stream, flush=True)
+        if self._bar is not None:  # tqdm clears the bar, prints the line, draws the bar again
+            self._bar.write(text, file=self.stream)
+            self.stream.flush()
+        else:
+            print(text, file=self.stream, flush=True)
 
     def start(self, config: dict, model_config: dict) -> None:
         with open(os.path.join(self.run_dir, CONFIG), "w", encoding="utf-8") as f:
             json.dump({"train": config, "model": model_config}, f, indent=1, sort_keys=True, default=str)
             f.write("\n")
         self.info(format_config(config, model_config))
+        if self._wandb_args:
+            import wandb  # only here: a run without --wandb-project never imports it
+
+            project, name = self._wandb_args
+            self._wandb = wandb.init(project=project, name=name, dir=self.run_dir,
+                                     config={"train": config, "model": model_config})
 
     # -- iterations ------------------------------------------------------------------------------------
 
     def train(self, *, iteration: int, consumed_samples: int, lr: float, loss: float, grad_norm: float,
               step_time: float, tokens: int, batch_size: int, memory_mb: float, skipped: bool,
-              aux_losses: dict | None = None) -> None:
-        if self._first_iteration is None:
-            self._first_iteration, self._first_time = iteration - 1, time.monotonic() - step_time
+              flops: int | None = None, aux_losses: dict | None = None) -> None:
+        """flops: this rank's FLOPs in the iteration (the compiled plan's count)."""
+        tflops = flops / step_time / 1e12 if flops and step_time > 0 else None
+        mfu = self.peak.mfu(tflops) if tflops is not None and self.peak is not None else None
         record = {"kind": "train", "iteration": iteration, "consumed_samples": consumed_samples, "lr": lr,
                   "loss": loss, "grad_norm": grad_norm, "step_time_s": step_time,
-                  "tokens_per_s": tokens / step_time if step_time > 0 else None, "memory_mb": memory_mb,
-                  "skipped": skipped, "time": time.time()}
+                  "tokens_per_s": tokens / step_time if step_time > 0 else None, "tflops_per_rank": tflops,
+                  "mfu": mfu, "memory_mb": memory_mb, "skipped": skipped, "time": time.time()}
         for name, value in sorted((aux_losses or {}).items()):  # MoE: logged beside the LM loss
             record[name] = value
-            self._tb.scalars(iteration, {name.replace("_", " "): value})
+            self._scalars(iteration, {name.replace("_", " "): value})
         self._metrics.write(metrics_line(record))
-        self._tb.scalars(iteration, {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
-                                     "throughput/tokens-per-second": record["tokens_per_s"],
-                                     "step-time": step_time, "memory/max-mb": memory_mb})
+        self._scalars(iteration, {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
+                                  "throughput/tokens-per-second": record["tokens_per_s"],
+                                  "throughput/tflops-per-rank": tflops, "throughput/mfu": mfu,
+                                  "step-time": step_time, "memory/max-mb": memory_mb})
         self._window.append(record)
         if iteration % self.log_interval == 0 or iteration == self.train_iters:
             self._log_window(batch_size, tokens)
             self._metrics.flush()
             self._tb.flush()
         if self.progress:
-            self._draw_bar(iteration, loss)
+            self._advance_bar(iteration, loss)
+
+    def _scalars(self, step: int, values: dict) -> None:
+        clean = {tag: float(v) for tag, v in values.items() if v is not None}
+        for tag, value in clean.items():
+            self._tb.add_scalar(tag, value, step)
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
 
     def _log_window(self, batch_size: int, tokens: int) -> None:
         w = self._window
@@ -109,10 +138,16 @@ class Reporter:
         finite = [r["loss"] for r in w if math.isfinite(r["loss"])]
         loss = sum(finite) / len(finite) if finite else float("nan")
         skipped = sum(1 for r in w if r["skipped"])
+        throughput = ""
+        if last["tflops_per_rank"] is not None:  # the window's mean step time: its mean TFLOP/s
+            tflops = last["tflops_per_rank"] * last["step_time_s"] / step
+            throughput = f"throughput per rank (TFLOP/s): {tflops:.4g} | "
+            if self.peak is not None:
+                throughput += f"MFU: {100 * self.peak.mfu(tflops):.2f}% | "
         self.info(
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {last['iteration']:>8d}/{self.train_iters:>8d} | "
             f"consumed samples: {last['consumed_samples']:>12d} | elapsed time per iteration (ms): {step * 1000:.1f} | "
-            f"tokens per second: {tokens / step:.1f} | learning rate: {last['lr']:.6E} | "
+            f"{throughput}tokens per second: {tokens / step:.1f} | learning rate: {last['lr']:.6E} | "
             f"global batch size: {batch_size:>5d} | lm loss: {loss:.6E} | grad norm: {last['grad_norm']:.3f} | "
             f"max memory (MB): {last['memory_mb']:.1f} | number of skipped iterations: {skipped:>3d} |"
             + "".join(f" {k.replace('_', ' ')}: {last[k]:.6E} |" for k in ("load_balancing_loss", "z_loss") if k in last))
@@ -122,7 +157,7 @@ class Reporter:
         self._metrics.write(metrics_line({"kind": "eval", "split": split, "iteration": iteration, "loss": loss,
                                           "ppl": ppl, "time": time.time()}))
         self._metrics.flush()
-        self._tb.scalars(iteration, {f"{split} loss": loss, f"{split} ppl": ppl})
+        self._scalars(iteration, {f"{split} loss": loss, f"{split} ppl": ppl})
         self._tb.flush()
         line = f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
         bar = "-" * len(line)
@@ -136,12 +171,14 @@ class Reporter:
         run computes it again."""
         self._metrics.flush()
         os.fsync(self._metrics.fileno())
-        self._tb.flush()
+        if self._tb_writer is not None:
+            self._tb_writer.flush()
 
     def resume(self, iteration: int) -> None:
         """A run that resumes after `iteration` (a checkpoint's; 0 when it starts over): drop the
         metrics recorded after it, which the run records again, and any line a killed run left
-        half-written, so that every iteration appears exactly once."""
+        half-written, so that every iteration appears exactly once. TensorBoard does the same
+        for its events: a writer with purge_step hides the old events from that step on."""
         path = os.path.join(self.run_dir, METRICS)
         self._metrics.close()
         kept = []
@@ -161,33 +198,40 @@ class Reporter:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         self._metrics = open(path, "a", encoding="utf-8")
+        if self._tb_writer is not None:
+            self._tb_writer.close()
+            self._tb_writer = None
+        self._purge_step = iteration + 1
 
     # -- progress bar --------------------------------------------------------------------------------
 
-    def _draw_bar(self, iteration: int, loss: float) -> None:
-        done = iteration - self._first_iteration
-        elapsed = time.monotonic() - self._first_time
-        left = self.train_iters - iteration
-        eta = elapsed / done * left if done > 0 else 0.0
-        width = 30
-        filled = int(width * iteration / self.train_iters)
-        text = (f"\r[{'#' * filled}{'.' * (width - filled)}] {iteration}/{self.train_iters} "
-                f"{100 * iteration / self.train_iters:3.0f}% ETA {_clock(eta)} loss {loss:.4f}")
-        self.bar_stream.write(text)
-        self.bar_stream.flush()
-        self._bar_shown = True
+    def _advance_bar(self, iteration: int, loss: float) -> None:
+        if self._bar is None:
+            from tqdm import tqdm
 
-    def _clear_bar(self) -> None:
-        if self._bar_shown:
-            self.bar_stream.write("\r\033[K")
-            self.bar_stream.flush()
-            self._bar_shown = False
+            # starts at the iteration before this one: a resumed run's bar shows the whole run
+            self._bar = tqdm(total=self.train_iters, initial=iteration - 1, file=self.bar_stream, unit="it",
+                             dynamic_ncols=True, leave=False, smoothing=0.1, mininterval=0, miniters=1)  # steps are slow: draw each
+        self._bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
+        self._bar.update(iteration - self._bar.n)
 
     def close(self) -> None:
-        self._clear_bar()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
         self.sync()
         self._metrics.close()
-        self._tb.close()
+        if self._tb_writer is not None:
+            self._tb_writer.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _summary_writer(directory: str, purge_step: int | None = None):
+    from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (a dependency)
+
+    return SummaryWriter(log_dir=directory, purge_step=purge_step, flush_secs=30)
 
 
 def metrics_line(record: dict) -> str:
@@ -195,8 +239,3 @@ def metrics_line(record: dict) -> str:
     overflowing gradient norm) is written as null."""
     clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
     return json.dumps(clean, allow_nan=False) + "\n"
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

@@ -25,6 +25,7 @@ from ..optim import SGD, Adam, ConstantGradScaler, DynamicGradScaler, FlatOptimi
 from ..parallel_state import ProcessGroups
 from ..random import RNGTracker
 from .config import TrainConfig, lr_step, schedule_steps
+from .throughput import SavedActivations, tensor_bytes
 
 # -- forward steps, one per model type -----------------------------------------------------------------
 
@@ -68,12 +69,14 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch.device | None = None, *,
-                              compiled: tuple) -> Setup:
+                              compiled: tuple, model_file: str | None = None) -> Setup:
     """compiled: (generated model source, compiled spec) of cfg's spec at cfg's parallel settings
-    (specc_torch.train.compile_model(cfg)); the loop compiles nothing itself."""
+    (specc_torch.train.compile_model(cfg)); the loop compiles nothing itself. model_file: that
+    source written to a file (the run directory's model.py), imported from there so that a
+    traceback inside the model shows its lines."""
     device = device or torch.device("cpu")
     source, spec = compiled
-    module = api.load_module_from_source(source, spec.name)
+    module = api.load_module_from_file(model_file) if model_file else api.load_module_from_source(source, spec.name)
     rng = RNGTracker(cfg.seed, pg.tp.rank, cp_rank=pg.cp.rank)  # CP ranks' tokens get their own masks
     model = module.build_model(pg, seed=cfg.seed, rng_tracker=rng).to(device)
     if cfg.bf16 or cfg.fp16:
@@ -142,10 +145,12 @@ def _autocast(setup: Setup, bf16: bool):
     return torch.autocast(device_type=setup.device.type, dtype=torch.bfloat16)
 
 
-def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, bf16: bool = False) -> StepResult:
+def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, bf16: bool = False,
+               saved_meter=None) -> StepResult:
     """Forward and backward every micro-batch (gradients accumulate in the DDP's fp32 buffer;
     only the last one starts the bucketed data-parallel reduction), finalize the gradients
-    (DP reduction, TP-partial sums), then clip and step."""
+    (DP reduction, TP-partial sums), then clip and step. saved_meter (a
+    throughput.SavedActivations) measures what the first micro-batch's forward keeps."""
     ddp = setup.ddp
     ddp.zero_grad_buffer()
     n = len(micro_batches)
@@ -162,7 +167,7 @@ def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, 
         micro_batches = []
     for i, batch in enumerate(micro_batches):
         with contextlib.nullcontext() if i == n - 1 else ddp.no_sync():
-            with _autocast(setup, bf16):
+            with _autocast(setup, bf16), saved_meter if i == 0 and saved_meter is not None else contextlib.nullcontext():
                 loss = setup.forward_step(ddp, batch)
             (loss * (scale / n)).backward()
         total += loss.detach()
@@ -238,11 +243,25 @@ class TrainState:
     consumed_samples: int = 0
 
 
+def measured_memory(setup: Setup, saved: SavedActivations) -> dict:
+    """What this rank holds after a step, in bytes, by what holds it: the model's parameters, the
+    DDP's fp32 gradient buffer, the optimizer's state (Adam moments, separate fp32 masters) and
+    the activations the first micro-batch's forward kept for backward."""
+    params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in setup.model.parameters()}
+    return {"parameters": sum(params.values()), "gradients": tensor_bytes(setup.ddp.grad_buffer),
+            "optimizer": setup.optimizer.state_bytes(), "activations": saved.total}
+
+
 def train(setup: Setup, datasets: dict, cfg: TrainConfig, pg: ProcessGroups, reporter, state: TrainState,
-          save_fn: Callable | None = None, before_step: Callable[[int], None] | None = None) -> list:
+          save_fn: Callable | None = None, before_step: Callable[[int], None] | None = None,
+          flops_per_iteration: int | None = None, after_first_step: Callable[[dict], None] | None = None) -> list:
     """Run iterations state.iteration+1 .. train_iters; returns the per-iteration losses.
-    save_fn(state) saves a checkpoint; before_step(iteration) runs before each iteration."""
+    save_fn(state) saves a checkpoint; before_step(iteration) runs before each iteration.
+    flops_per_iteration: this rank's FLOPs in one iteration (the compiled plan's, all its
+    micro-batches), for TFLOP/s and MFU; after_first_step(measured_memory) runs after the
+    first iteration of this run."""
     losses = []
+    first = True
     seq = setup.spec.config["seq_length"]
     tokens_per_step = cfg.global_batch_size * seq
     evaluated_at = None
@@ -254,7 +273,8 @@ def train(setup: Setup, datasets: dict, cfg: TrainConfig, pg: ProcessGroups, rep
         start = time.perf_counter()
         batches = [micro_batch(datasets["train"], state.consumed_samples, m, cfg, pg, setup.device)
                    for m in range(cfg.num_micro_batches)]
-        result = train_step(setup, batches, lr, pg, cfg.bf16)
+        meter = SavedActivations(setup.model.parameters()) if first and after_first_step is not None else None
+        result = train_step(setup, batches, lr, pg, cfg.bf16, saved_meter=meter)
         if setup.device.type == "cuda":
             torch.cuda.synchronize(setup.device)
         step_time = time.perf_counter() - start
@@ -264,7 +284,11 @@ def train(setup: Setup, datasets: dict, cfg: TrainConfig, pg: ProcessGroups, rep
         reporter.train(iteration=iteration, consumed_samples=state.consumed_samples, lr=lr, loss=result.loss,
                        grad_norm=result.grad_norm, step_time=step_time, tokens=tokens_per_step,
                        batch_size=cfg.global_batch_size, memory_mb=max_memory_mb(setup.device),
-                       skipped=not result.applied, **({"aux_losses": result.aux_losses} if result.aux_losses else {}))
+                       skipped=not result.applied, flops=flops_per_iteration,
+                       **({"aux_losses": result.aux_losses} if result.aux_losses else {}))
+        if meter is not None:
+            after_first_step(measured_memory(setup, meter))
+        first = False
         if cfg.eval_iters > 0 and iteration % cfg.eval_interval == 0:
             reporter.evaluation(iteration=iteration, loss=evaluate(setup, datasets["valid"], cfg, pg))
             evaluated_at = iteration

@@ -154,12 +154,20 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--allow-spec-change", action="store_true",
                    help="--load a checkpoint saved from another version of the spec (names and shapes still must match)")
     g.add_argument("--run-dir", default=None, metavar="DIR",
-                   help="config.json, metrics.jsonl, tensorboard/ (default runs/SPEC_NAME)")
+                   help="config.json, model.py, plan.txt, plan.json, metrics.jsonl, tensorboard/ (default runs/SPEC_NAME)")
     g.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="progress bar (default: when stderr is a terminal)")
     g.add_argument("--no-progress", dest="progress", action="store_false")
     g.add_argument("--log-throughput", action="store_true",
                    help="accepted for Megatron's scripts: the log line always shows the throughput")
+    g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
+                   help="TensorBoard event files (default RUN_DIR/tensorboard)")
+    g.add_argument("--wandb-project", default=None, metavar="NAME",
+                   help="also log to Weights & Biases in this project (needs the wandb package)")
+    g.add_argument("--wandb-exp-name", default=None, metavar="NAME", help="the W&B run's name")
+    g.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOPS",
+                   help="the peak TFLOP/s of one rank, for MFU (default: measured once with a GEMM of the run's "
+                   "dtype on its device and thread count)")
 
 
 def build_rank_parser() -> argparse.ArgumentParser:

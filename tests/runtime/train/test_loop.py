@@ -15,7 +15,7 @@ from train_helpers import assert_params_close, assert_steps_agree, make_corpus, 
 from runtime.parallel_state import ProcessGroups
 from runtime.train.config import OptimizerConfig, ParallelConfig, TrainConfig, resolve
 from runtime.train.report import Reporter
-from runtime.train.tensorboard import crc32c, read_scalars
+from runtime.train.throughput import Peak
 from specc_torch.train import run
 
 
@@ -188,32 +188,68 @@ class _Tty(io.StringIO):
 
 
 def test_reporter_writes_jsonl_tensorboard_and_megatron_lines(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     out, bar = io.StringIO(), _Tty()
-    rep = Reporter(str(tmp_path), train_iters=4, log_interval=2, stream=out, bar_stream=bar)
+    peak = Peak(2.0e-9, "given by --peak-tflops")  # 2000 FLOP/s: at iteration i MFU = (1000 i / 0.5) / 2000 = i
+    rep = Reporter(str(tmp_path), train_iters=4, log_interval=2, stream=out, bar_stream=bar, peak=peak)
     assert rep.progress  # a terminal gets a progress bar
     rep.start({"lr": 0.1}, {"seq_length": 8})
     for it in range(1, 5):
-        rep.train(iteration=it, consumed_samples=4 * it, lr=0.1, loss=5.0 - it, grad_norm=1.5, step_time=0.5,
-                  tokens=64, batch_size=4, memory_mb=10.0, skipped=False)
+        rep.train(iteration=it, consumed_samples=4 * it, lr=0.1 / it, loss=5.0 - it, grad_norm=1.5, step_time=0.5,
+                  tokens=64, batch_size=4, memory_mb=10.0, skipped=False, flops=1000 * it)
     rep.evaluation(iteration=4, loss=1.25)
     rep.close()
     lines = out.getvalue().splitlines()
     logs = [ln for ln in lines if "iteration " in ln and "consumed samples" in ln]
     assert len(logs) == 2 and "lm loss: 3.500000E+00" in logs[0] and "tokens per second: 128.0" in logs[0]
-    assert "learning rate: 1.000000E-01" in logs[1] and "grad norm: 1.500" in logs[1]
+    assert "learning rate: 2.500000E-02" in logs[1] and "grad norm: 1.500" in logs[1]
+    # TFLOP/s and MFU on every line: the window's mean (step time 0.5 s, 2000 FLOPs at iteration 2)
+    assert "throughput per rank (TFLOP/s): 4e-09 | MFU: 200.00% |" in logs[0]
+    assert "throughput per rank (TFLOP/s): 8e-09 | MFU: 400.00% |" in logs[1]
     assert any("validation loss at iteration 4 | lm loss value: 1.250000E+00" in ln for ln in lines)
     assert "lm.seq_length" not in out.getvalue() and "model.seq_length" in out.getvalue()
-    assert "ETA" in bar.getvalue() and "4/4" in bar.getvalue()
+    assert "4/4" in bar.getvalue() and "loss 1.0000" in bar.getvalue()  # tqdm's bar, on the bar stream only
+    assert "\r" not in out.getvalue()
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["kind"] for r in records] == ["train"] * 4 + ["eval"]
-    (event_file,) = os.listdir(tmp_path / "tensorboard")
-    version, scalars = read_scalars(str(tmp_path / "tensorboard" / event_file))
-    assert version == "brain.Event:2"
-    loss = [(s, v) for s, t, v in scalars if t == "lm loss"]
-    assert loss == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.0)]
-    assert (4, "validation loss", 1.25) in scalars
+    assert records[3]["tflops_per_rank"] == pytest.approx(8e-9) and records[3]["mfu"] == pytest.approx(4.0)
+    # the event files, read back by TensorBoard itself
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("lm loss")] == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("validation loss")] == [(4, 1.25)]
+    assert [e.value for e in acc.Scalars("learning-rate")] == pytest.approx([0.1, 0.05, 0.1 / 3, 0.025])
+    assert [e.value for e in acc.Scalars("throughput/mfu")] == pytest.approx([1.0, 2.0, 3.0, 4.0])
+    assert {"grad-norm", "throughput/tflops-per-rank", "memory/max-mb"} <= set(acc.Tags()["scalars"])
 
 
-def test_crc32c_known_values():
-    assert crc32c(b"") == 0
-    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+def test_a_resumed_run_replaces_its_tensorboard_scalars_after_the_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def record(rep, its, base):
+        for it in its:
+            rep.train(iteration=it, consumed_samples=it, lr=0.1, loss=base - it, grad_norm=1.0, step_time=0.1,
+                      tokens=8, batch_size=1, memory_mb=1.0, skipped=False)
+        rep.close()
+
+    quiet = dict(stream=io.StringIO(), bar_stream=io.StringIO())
+    record(Reporter(str(tmp_path), 4, 2, **quiet), range(1, 5), 5.0)
+    resumed = Reporter(str(tmp_path), 4, 2, append=True, **quiet)
+    resumed.resume(2)  # from a checkpoint at iteration 2: 3 and 4 again, with other losses
+    record(resumed, range(3, 5), 10.0)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("lm loss")] == [(1, 4.0), (2, 3.0), (3, 7.0), (4, 6.0)]
+    assert len(os.listdir(tmp_path / "tensorboard")) == 2  # no empty file from the writer it replaced
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path):
+    out, bar = io.StringIO(), io.StringIO()
+    rep = Reporter(str(tmp_path), train_iters=2, log_interval=1, stream=out, bar_stream=bar)
+    assert not rep.progress
+    for it in (1, 2):
+        rep.train(iteration=it, consumed_samples=it, lr=0.1, loss=1.0, grad_norm=1.0, step_time=0.1, tokens=8,
+                  batch_size=1, memory_mb=1.0, skipped=False)
+    rep.close()
+    assert bar.getvalue() == "" and out.getvalue().count("consumed samples") == 2  # plain lines only
