@@ -131,19 +131,23 @@ def _spec_stem(path: str) -> str:
 def compile_model(cfg: TrainConfig):
     """(generated source, spec) for the configured spec at the configured parallel settings: what
     runtime.train.setup_model_and_optimizer builds the model from."""
+    source, spec, _ = _compile(cfg)
+    return source, spec
+
+
+def _compile(cfg: TrainConfig):
     overrides = dict(cfg.overrides)
     if cfg.data.padded_vocab_size is not None and "vocab_size" not in overrides:
         overrides["vocab_size"] = cfg.data.padded_vocab_size  # the tokenizer's, padded (tokenizer_rules)
-    source, spec, _ = compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=overrides,
-                                     micro_batch_size=cfg.micro_batch_size,
-                                     dtype="bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32", cp=cfg.parallel.cp,
-                                     cp_comm_type=cfg.parallel.cp_comm_type, pp=cfg.parallel.pp,
-                                     pp_virtual_stage_layers=cfg.parallel.pp_virtual_stage_layers,
-                                     pp_first_stage_layers=cfg.parallel.pp_first_stage_layers,
-                                     pp_last_stage_layers=cfg.parallel.pp_last_stage_layers,
-                                     pp_layout=cfg.parallel.pp_layout, recompute=cfg.recompute,
-                                     ep=cfg.parallel.ep)
-    return source, spec
+    return compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=overrides,
+                          micro_batch_size=cfg.micro_batch_size,
+                          dtype="bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32", cp=cfg.parallel.cp,
+                          cp_comm_type=cfg.parallel.cp_comm_type, pp=cfg.parallel.pp,
+                          pp_virtual_stage_layers=cfg.parallel.pp_virtual_stage_layers,
+                          pp_first_stage_layers=cfg.parallel.pp_first_stage_layers,
+                          pp_last_stage_layers=cfg.parallel.pp_last_stage_layers,
+                          pp_layout=cfg.parallel.pp_layout, recompute=cfg.recompute,
+                          ep=cfg.parallel.ep)
 
 
 RUN_FILES = ("model.py", "plan.txt", "plan.json")
@@ -154,10 +158,7 @@ def compile_run(cfg: TrainConfig):
     plan that trains, as compile_model, plus the plan (specc.plan.Plan) of the same graph."""
     from specc.plan import build_plan
 
-    source, spec, graph = compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=cfg.overrides,
-                                         micro_batch_size=cfg.micro_batch_size,
-                                         dtype="bf16" if cfg.bf16 else "fp32", cp=cfg.parallel.cp,
-                                         cp_comm_type=cfg.parallel.cp_comm_type)
+    source, spec, graph = _compile(cfg)
     return source, spec, build_plan(graph)
 
 
@@ -572,7 +573,7 @@ def run(cfg: TrainConfig, stream=None) -> int:
                                   mock=cfg.data.mock_data, vocab_size=setup.spec.config["vocab_size"],
                                   split_paths=split_paths(cfg))
         append = bool(load and not weights_only) or restart > 0
-        dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
         peak = given_peak(cfg.logging.peak_tflops) if cfg.logging.peak_tflops else measure_peak(device, dtype)
         if rank == 0:  # a resumed run (or a restarted one) appends to its metrics; a new one starts afresh
             log = cfg.logging
