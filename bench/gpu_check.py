@@ -211,18 +211,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def model_flops_per_step(config: dict, tokens: int) -> float:
-    """Training FLOPs of a GPT step: 6·N·T for the GEMMs (N: parameters in the layers and the
-    output layer, embedding lookups are free) plus attention's 2·2·s·h per token per layer
-    forward (QKᵀ and AV over the full sequence), times 3 with backward."""
-    h, layers = int(config["hidden_size"]), int(config["num_layers"])
-    ffn = int(config.get("ffn_hidden_size", 4 * h))
-    seq, vocab = int(config["seq_length"]), int(config["vocab_size"])
-    per_layer = 4 * h * h + 2 * h * ffn  # qkv + proj + fc1 + fc2 weights
-    n = layers * per_layer + h * vocab
-    return 6 * n * tokens + 3 * layers * 4 * seq * h * tokens
-
-
 def mfu(flops: float, seconds: float, peak_tflops: float) -> float:
     return flops / seconds / (peak_tflops * 1e12) if seconds > 0 and peak_tflops > 0 else 0.0
 
@@ -262,7 +250,7 @@ def check_bench(device: str, spec: str, micro_batch: int, steps: int, gemm_n: in
             times.append(time.perf_counter() - start)
     step = sorted(times)[len(times) // 2]
     peak = gemm_peak_tflops(device, torch.bfloat16 if bf16 else torch.float32, gemm_n)
-    flops = model_flops_per_step(config, micro_batch * seq)
+    flops = float(totals["flops_per_step"])  # the compiler's count: every op's matmul FLOPs, forward and backward
     measured = torch.cuda.max_memory_allocated() if device == "cuda" else None
     numbers = {"step_ms": step * 1e3, "tokens_per_s": micro_batch * seq / step, "tflops": flops / step / 1e12,
                "gemm_peak_tflops": peak, "mfu": mfu(flops, step, peak), "plan_bytes": planned,

@@ -46,11 +46,7 @@ def test_compare_is_relative_to_the_largest_value():
     assert not ok and diff == pytest.approx(0.2) and scale == 1000.0
 
 
-def test_flops_and_mfu_arithmetic():
-    config = {"hidden_size": 64, "num_layers": 2, "ffn_hidden_size": 256, "seq_length": 32, "vocab_size": 256}
-    tokens = 2 * 32
-    n = 2 * (4 * 64 * 64 + 2 * 64 * 256) + 64 * 256
-    assert gpu_check.model_flops_per_step(config, tokens) == 6 * n * tokens + 3 * 2 * 4 * 32 * 64 * tokens
+def test_mfu_arithmetic():
     assert gpu_check.mfu(50e12, 1.0, 100.0) == pytest.approx(0.5)
     assert gpu_check.mfu(1.0, 0.0, 100.0) == 0.0
 
