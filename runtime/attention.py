@@ -38,6 +38,9 @@ class CoreAttention(nn.Module):
         tp: Group | None = None,
         cp: Group | None = None,
         cp_comm_type: str = "p2p",
+        window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
     ):
         super().__init__()
         self.tp = tp or Group.single("tp")  # only the TP-invariant dropout mode needs it
@@ -51,14 +54,32 @@ class CoreAttention(nn.Module):
                              f"use backend 'sdpa' or 'unfused', not {backend!r}")
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if window is not None and window < 1:
+            raise ValueError(f"attention window must be >= 1 token, got {window}")
+        if softcap is not None and softcap <= 0:
+            raise ValueError(f"attention softcap must be > 0, got {softcap}")
+        if self.cp.size > 1 and (window is not None or softcap is not None):
+            raise ValueError("context parallelism runs the plain causal or bidirectional mask: a sliding window "
+                             "or a soft-capped score is not supported at cp > 1")
+        if backend in ("flash", "te") and (window is not None or softcap is not None or scale is not None):
+            raise ValueError(f"backend {backend!r} is not wired for a window, soft-cap or custom scale; use 'sdpa'")
+        self.window, self.softcap = window, softcap
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.causal, self.dropout, self.backend = causal, dropout, backend
         self.rng_tracker = rng_tracker
         self._flash_attn_func = _import_flash_attn() if backend == "flash" else None
         self.te_attention = self._build_te() if backend == "te" else None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`document_ids` [b, s] (any integers): a token attends only to tokens of its own
+        document, so packed documents or padding (give pads their own id) do not mix."""
         s, b = q.shape[0], q.shape[1]
+        if document_ids is not None and (self.cp.size > 1 or self.backend in ("flash", "te")):
+            raise ValueError("document ids (a padding mask) need the sdpa or unfused backend at cp = 1")
+        if document_ids is not None and tuple(document_ids.shape) != (b, s):
+            raise ValueError(f"document_ids must be [b, s] = [{b}, {s}], got {tuple(document_ids.shape)}")
         q4 = _heads(q, self.num_heads, self.head_dim, "q")
         k4 = _heads(k, self.num_kv_heads, self.head_dim, "k")
         v4 = _heads(v, self.num_kv_heads, self.head_dim, "v")
@@ -68,7 +89,7 @@ class CoreAttention(nn.Module):
             if self.cp.size > 1:
                 return context_parallel_attention(
                     q, k, v, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                    cp=self.cp, comm_type=self.cp_comm_type, causal=self.causal, dropout_p=p,
+                    cp=self.cp, comm_type=self.cp_comm_type, causal=self.causal, dropout_p=p, softmax_scale=self.scale,
                     rng_tracker=self.rng_tracker, tp=self.tp)
             if self.backend == "te":
                 return self.te_attention(q4, k4, v4)  # sbhd in, [s, b, nh * d] out
@@ -76,21 +97,46 @@ class CoreAttention(nn.Module):
                 out = self._flash_attn_func(q4.transpose(0, 1), k4.transpose(0, 1), v4.transpose(0, 1),
                                             dropout_p=p, causal=self.causal)
                 return out.transpose(0, 1).reshape(s, b, self.num_heads * self.head_dim)
-            out = self._torch_attention(q4, k4, v4, p)  # [b, nh, s, d]
+            out = self._torch_attention(q4, k4, v4, p, document_ids)  # [b, nh, s, d]
         return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
-    def _torch_attention(self, q4, k4, v4, p: float) -> torch.Tensor:
+    def _allowed(self, sq: int, sk: int, document_ids, device) -> torch.Tensor | None:
+        """Which keys each query may see ([b or 1, 1, sq, sk], True: attend), or None for all of
+        them. A window of w keeps the w most recent keys, the query's own included (HF's
+        sliding_window); without a causal mask it reaches w - 1 tokens each way."""
+        if not (self.causal or self.window is not None or document_ids is not None):
+            return None
+        qi = torch.arange(sq, device=device)[:, None]
+        kj = torch.arange(sk, device=device)[None, :]
+        allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
+        if self.causal:
+            allowed &= kj <= qi
+        if self.window is not None:
+            allowed &= (qi - kj).abs() < self.window
+        allowed = allowed[None, None]
+        if document_ids is not None:
+            allowed = allowed & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
+        return allowed
+
+    def _torch_attention(self, q4, k4, v4, p: float, document_ids=None) -> torch.Tensor:
         # [s, b, n, d] -> [b, n, s, d]; each kv head serves num_heads/num_kv_heads
         # consecutive query heads (repeat_interleave, as in HF Llama).
         group = self.num_heads // self.num_kv_heads
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q4, k4, v4))
         invariant = p > 0 and self.rng_tracker is not None and self.rng_tracker.tp_invariant
-        if self.backend == "sdpa" and not invariant:  # SDPA draws its own mask: the debug mode needs ours
+        plain = self.window is None and document_ids is None
+        # SDPA draws its own dropout mask (the debug mode needs ours) and cannot soft-cap scores
+        if self.backend == "sdpa" and not invariant and self.softcap is None:
             # SDPA groups query heads over kv heads itself: no repeated copies of k and v are kept
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal, enable_gqa=group > 1)
+            if plain:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal, scale=self.scale,
+                                                      enable_gqa=group > 1)
+            allowed = self._allowed(q.shape[2], k.shape[2], document_ids, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p, scale=self.scale,
+                                                  enable_gqa=group > 1)
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return self._unfused(q, k, v, p)
+        return self._unfused(q, k, v, p, document_ids)
 
     def _invariant_keep(self, probs: torch.Tensor, p: float) -> torch.Tensor:
         """TP-invariant debug mode: the mask over all heads, this rank's heads kept."""
@@ -100,13 +146,14 @@ class CoreAttention(nn.Module):
         full = self.rng_tracker.full_keep_mask((b, n * self.tp.size, sq, sk), p, probs.device)
         return local_piece(full, "S(h)", self.tp, dim_for_heads=1)
 
-    def _unfused(self, q, k, v, p: float) -> torch.Tensor:
-        # Megatron's local path: explicit scores, causal mask, fp32 softmax, dropout.
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
-        if self.causal:
-            sq, sk = scores.shape[-2], scores.shape[-1]
-            future = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
-            scores = scores.masked_fill(future, float("-inf"))
+    def _unfused(self, q, k, v, p: float, document_ids=None) -> torch.Tensor:
+        # Megatron's local path: explicit scores, (soft-capped,) masked, fp32 softmax, dropout.
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        if self.softcap is not None:  # Gemma 2: softcap * tanh(scores / softcap), before the mask
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        allowed = self._allowed(scores.shape[-2], scores.shape[-1], document_ids, scores.device)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores.to(_at_least_fp32(scores.dtype)), dim=-1).to(q.dtype)
         if p > 0 and self.rng_tracker is not None and self.rng_tracker.tp_invariant:
             probs = probs * self._invariant_keep(probs, p).to(probs.dtype) / (1.0 - p)
@@ -128,6 +175,9 @@ class CoreAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"causal={self.causal}, dropout={self.dropout}, backend={self.backend}"
+                + (f", window={self.window}" if self.window is not None else "")
+                + (f", scale={self.scale}" if self.scale != 1.0 / math.sqrt(self.head_dim) else "")
+                + (f", softcap={self.softcap}" if self.softcap is not None else "")
                 + (f", cp={self.cp.size}, cp_comm_type={self.cp_comm_type}" if self.cp.size > 1 else ""))
 
 

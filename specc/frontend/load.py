@@ -558,7 +558,7 @@ def _check_arity(e, targets, m: ModuleDef, modules: dict, top: bool) -> None:
 # -- the Hugging Face mapping (`hf:`), read by specc_torch/hf and `specc hf import|export` ------------
 
 HF_KEYS = {"architecture", "config", "export_config", "import_config", "rotary", "params", "ignore"}
-HF_PARAM_KEYS = {"specc", "hf", "transpose", "rotary"}
+HF_PARAM_KEYS = {"specc", "hf", "transpose", "rotary", "permute"}
 HF_ROTARY_LAYOUTS = ("rotate_half", "interleaved")
 
 
@@ -592,7 +592,7 @@ def _check_hf(hf, loc: Loc, value) -> None:
                 raise SpecError(rotary.value_loc("head_dim") if "head_dim" in rotary else rotary.loc,
                                 f"'rotary.head_dim' must be an even integer, got {_kind(dim)}", "e.g. head_dim: ${head_dim}")
     if "params" in hf:
-        _hf_params(hf["params"], hf.value_loc("params"))
+        _hf_params(hf["params"], hf.value_loc("params"), value)
     if "ignore" in hf:
         ignore = hf["ignore"]
         if not isinstance(ignore, LList):
@@ -625,7 +625,7 @@ def _hf_name(name, loc: Loc, what: str, experts: bool = False) -> set:
     return {h for h in ("i", "e") if "{" + h + "}" in name}
 
 
-def _hf_params(params, loc: Loc) -> None:
+def _hf_params(params, loc: Loc, value) -> None:
     if not isinstance(params, LList):
         raise SpecError(loc, f"'params' must be a list, got {_kind(params)}",
                         "one entry per parameter: - {specc: NAME, hf: HF_NAME}")
@@ -670,3 +670,28 @@ def _hf_params(params, loc: Loc) -> None:
             if not ok:
                 raise SpecError(entry.value_loc("rotary"), "'rotary' must be true/false, or a list of true/false with "
                                 "one per 'hf' name", "which tensors hold rotary q/k heads")
+        if "permute" in entry:
+            _hf_permute(entry["permute"], entry.value_loc("permute"), value)
+
+
+PERMUTE_HINT = "e.g. permute: {groups: ${num_attention_heads}, sections: [${head_dim}, ${head_dim}, ${head_dim}]}"
+
+
+def _hf_permute(permute, loc: Loc, value) -> None:
+    """`permute: {groups: G, sections: [a, b, ...]}`: the HF tensor's rows are G groups of
+    [a | b | ...] (GPT-NeoX's per-head [q_h | k_h | v_h]); specc's are [all a | all b | ...]."""
+    if not isinstance(permute, LDict):
+        raise SpecError(loc, f"'permute' must be a mapping, got {_kind(permute)}", PERMUTE_HINT)
+    _check_keys(permute, {"groups", "sections"}, "in 'permute'")
+    for key in ("groups", "sections"):
+        if key not in permute:
+            raise SpecError(loc, f"'permute' is missing '{key}'", PERMUTE_HINT)
+    groups = value(permute["groups"], permute.value_loc("groups"))
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise SpecError(permute.value_loc("groups"), f"'permute.groups' must be a positive integer, got {_kind(groups)}",
+                        PERMUTE_HINT)
+    sections = value(permute["sections"], permute.value_loc("sections"))
+    if not isinstance(sections, list) or not sections or any(
+            isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sections):
+        raise SpecError(permute.value_loc("sections"), "'permute.sections' must be a non-empty list of positive "
+                        f"integers, got {_clip(sections)!r}", PERMUTE_HINT)

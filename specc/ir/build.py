@@ -78,8 +78,10 @@ def _leaf(g, m, scope, index, e, kind_name, attrs, base_id, attr_name, args, tar
         raise SpecError(e.loc, f"{op_id}: {msg}")
 
     kind.check(attrs, locs or {}, g.ctx)  # size rules first: they name the attribute that breaks them
+    attrs = kind.instance_attrs(attrs, _layer_index(g, scope), fail)
     shapes = [g.values[a].shape for a in args]
     out_shapes = kind.out_shapes(attrs, shapes, fail)
+    kind.check_inputs(attrs, shapes, g.ctx, fail)
     names = [t if t else f"{(attr_name or kind_name)}_out" for t in targets]
     if len(names) != len(out_shapes):
         names = [f"{attr_name or kind_name}_out{i}" for i in range(len(out_shapes))]
@@ -96,6 +98,15 @@ def _leaf(g, m, scope, index, e, kind_name, attrs, base_id, attr_name, args, tar
     for follower, follower_attrs in kind.followers(attrs):
         outs = _follower(g, op, m, follower, follower_attrs, outs)
     return outs
+
+
+def _layer_index(g: Graph, scope: str) -> int | None:
+    """The index of the innermost repeated-module instance `scope` lies in (layers.3.mlp -> 3)."""
+    parts = scope.split(".") if scope else []
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n - 1]) in g.repeats and parts[n - 1].isdigit():
+            return int(parts[n - 1])
+    return None
 
 
 def _follower(g: Graph, leader: Op, m, kind_name: str, attrs: dict, args: list) -> list:

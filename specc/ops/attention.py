@@ -3,22 +3,104 @@ parallelism: S(h) on q, k, v means each rank holds whole heads."""
 
 from __future__ import annotations
 
-from .base import Attr, LayoutRule, OpKind, need_divisible, numel
+from ..errors import SpecError
+from .base import Attr, HFKnob, LayoutRule, OpKind, need_divisible, numel
+
+
+def _each(key: str):
+    """requested(): config.json's `key` for every op, when it has the key."""
+    return lambda config, n: [config[key]] * n if key in config else None
+
+
+def _rope(config: dict) -> dict:
+    """Hugging Face's rotary settings, whichever way the config spells them: transformers 5's
+    rope_parameters, older rope_scaling (type or rope_type) beside rope_theta, GPT-NeoX's rotary_pct."""
+    out = {}
+    for key, new in (("rope_theta", "rope_theta"), ("partial_rotary_factor", "partial_rotary_factor"),
+                     ("rotary_pct", "partial_rotary_factor"), ("rotary_emb_base", "rope_theta")):
+        if config.get(key) is not None:
+            out[new] = config[key]
+    for block in ("rope_scaling", "rope_parameters"):
+        params = config.get(block)
+        if isinstance(params, dict):
+            out.update({k: v for k, v in params.items() if v is not None})
+            if "type" in params and "rope_type" not in params:
+                out["rope_type"] = params["type"]
+    return out
+
+
+def _rope_key(key: str, scalings: tuple = ()):
+    def requested(config, n):
+        rope = _rope(config)
+        if key not in rope or (scalings and rope.get("rope_type") not in scalings):
+            return None
+        return [rope[key]] * n
+    return requested
+
+
+def _windows(config, n):
+    """Per layer: Hugging Face's sliding_window where layer_types says sliding_attention (or
+    everywhere without layer_types), none where it says full_attention or use_sliding_window is off."""
+    window = config.get("sliding_window")
+    types = config.get("layer_types")
+    if isinstance(types, list) and len(types) == n:
+        return [window if t == "sliding_attention" else None for t in types]
+    if config.get("use_sliding_window") is False:
+        return [None] * n
+    return [window] * n if "sliding_window" in config else None
 
 
 class Rotary(OpKind):
     name = "rotary"
-    doc = "Rotary position embedding (rotate-half) over [s, b, heads*head_dim]."
+    doc = ("Rotary position embedding over [s, b, heads*head_dim]: on the first rotary_dim features of each head, "
+           "rotate-half or interleaved pairs, with optional linear or Llama 3 frequency scaling.")
     attrs = (
         Attr("head_dim", "int", required=True, minimum=2),
         Attr("base", "float", default=10000.0, minimum=1.0),
+        Attr("rotary_dim", "int", minimum=2, doc="features of each head that rotate (GPT-NeoX, Phi); default all"),
+        Attr("interleaved", "bool", default=False, doc="pairs (2i, 2i+1) as GPT-J; default rotate-half (i, i + d/2)"),
+        Attr("scaling", "str", default="none", choices=("none", "linear", "llama3"),
+             doc="frequency scaling: linear divides every frequency by factor; llama3 as Llama 3.1"),
+        Attr("factor", "float", default=1.0, minimum=1.0, doc="scaling factor (linear, llama3)"),
+        Attr("low_freq_factor", "float", default=1.0, minimum=0.0, doc="llama3"),
+        Attr("high_freq_factor", "float", default=4.0, minimum=0.0, doc="llama3"),
+        Attr("original_max_positions", "int", default=8192, minimum=1, doc="llama3: the pre-training context"),
     )
     nonlinear = True  # position-dependent: needs the whole sequence on each rank
+
+    def rotary_dim(self, attrs) -> int:
+        return attrs.get("rotary_dim") or attrs["head_dim"]
+
+    def check(self, attrs, locs, ctx):
+        r, d = self.rotary_dim(attrs), attrs["head_dim"]
+        if r % 2 or r > d:
+            raise SpecError(locs.get("rotary_dim", locs.get("head_dim")),
+                            f"rotary_dim={r} must be even and at most head_dim={d}")
+        if attrs["scaling"] == "llama3" and attrs["high_freq_factor"] <= attrs["low_freq_factor"]:
+            raise SpecError(locs.get("high_freq_factor", locs.get("scaling")),
+                            f"llama3 scaling needs high_freq_factor > low_freq_factor, got "
+                            f"{attrs['high_freq_factor']} and {attrs['low_freq_factor']}")
 
     def out_shapes(self, attrs, shapes, fail):
         if shapes[0][-1] % attrs["head_dim"] or attrs["head_dim"] % 2:
             fail(f"last dim {shapes[0][-1]} is not a whole number of even heads of head_dim={attrs['head_dim']}")
         return [shapes[0]]
+
+    def saved_bytes(self, node, local_in, local_out, elt):
+        return []  # linear in its input: backward needs only the (recomputed) cos/sin
+
+    def hf_knobs(self):
+        return (
+            HFKnob("rope_theta", _rope_key("rope_theta"), lambda a: a["base"]),
+            HFKnob("partial_rotary_factor", _rope_key("partial_rotary_factor"),
+                   lambda a: self.rotary_dim(a) / a["head_dim"]),
+            HFKnob("rope_type", _rope_key("rope_type"), lambda a: {"none": "default"}.get(a["scaling"], a["scaling"])),
+            HFKnob("rope factor", _rope_key("factor", ("linear", "llama3")), lambda a: a["factor"]),
+            HFKnob("rope low_freq_factor", _rope_key("low_freq_factor", ("llama3",)), lambda a: a["low_freq_factor"]),
+            HFKnob("rope high_freq_factor", _rope_key("high_freq_factor", ("llama3",)), lambda a: a["high_freq_factor"]),
+            HFKnob("rope original_max_position_embeddings", _rope_key("original_max_position_embeddings", ("llama3",)),
+                   lambda a: a["original_max_positions"]),
+        )
 
     def rule_tp(self, attrs, ctx):
         return LayoutRule(allowed=("I", "R", "S(h)"))
@@ -31,8 +113,19 @@ class Rotary(OpKind):
         return in_segments[0] if in_segments else ()
 
     def constructor(self, node, ctx):
+        a = node.attrs
+        kw = ""
+        if self.rotary_dim(a) != a["head_dim"]:
+            kw += f", rotary_dim={self.rotary_dim(a)}"
+        if a["interleaved"]:
+            kw += ", interleaved=True"
+        if a["scaling"] == "linear":
+            kw += f', scaling="linear", factor={a["factor"]!r}'
+        elif a["scaling"] == "llama3":
+            kw += (f', scaling="llama3", factor={a["factor"]!r}, low_freq_factor={a["low_freq_factor"]!r}, '
+                   f'high_freq_factor={a["high_freq_factor"]!r}, original_max_positions={a["original_max_positions"]}')
         cp = ", cp=self.cp" if node.in_layouts[0]["cp"] == "S(s)" else ""
-        return f"runtime.RotaryEmbedding({node.attrs['head_dim']}, base={node.attrs['base']!r}{cp})"
+        return f"runtime.RotaryEmbedding({a['head_dim']}, base={a['base']!r}{kw}{cp})"
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({args[0]})"
@@ -40,17 +133,24 @@ class Rotary(OpKind):
 
 class CoreAttention(OpKind):
     name = "core_attention"
-    doc = "softmax(q k^T / sqrt(d)) v over [s, b, heads*head_dim]; grouped-query when num_kv_heads < num_heads."
+    doc = ("softmax(q k^T * scale) v over [s, b, heads*head_dim]; grouped-query when num_kv_heads < num_heads; "
+           "causal or bidirectional, a sliding window (per layer with window_pattern), tanh soft-capped scores; "
+           "an optional 4th input, document ids [b, s], keeps each token within its document (padding masks)")
     attrs = (
         Attr("num_heads", "int", required=True, minimum=1),
         Attr("num_kv_heads", "int", minimum=1, doc="defaults to num_heads"),
         Attr("head_dim", "int", required=True, minimum=1),
         Attr("causal", "bool", default=True),
         Attr("dropout", "float", default=0.0, minimum=0.0),
+        Attr("window", "int", minimum=1, doc="sliding window: each query sees the `window` latest keys, itself included"),
+        Attr("window_pattern", "int_list", doc="per layer of the enclosing repeat, cycled: the window of layer i is "
+             "window_pattern[i % len], 0 for full attention (Gemma 2: [4096, 0])"),
+        Attr("scale", "float", minimum=0.0, doc="the score scale; default 1/sqrt(head_dim)"),
+        Attr("softcap", "float", minimum=0.0, doc="scores become softcap * tanh(scores / softcap) (Gemma 2)"),
         Attr("cp_comm_type", "str", default="auto", choices=("auto", "p2p", "all_gather"),
              doc="context parallelism: K/V around a ring of point-to-point sends, or all-gathered; auto: by the cost model"),
     )
-    n_inputs = (3, 3)
+    n_inputs = (3, 4)
     nonlinear = True
     impls = ("native", "unfused", "flash", "te")
     selective_recompute = True  # its softmax, mask and dropout output are 5as^2b bytes a layer unfused
@@ -61,6 +161,44 @@ class CoreAttention(OpKind):
     def check(self, attrs, locs, ctx):
         need_divisible(attrs["num_heads"], ctx.tp, "num_heads", locs.get("num_heads"))
         need_divisible(self.kv_heads(attrs), ctx.tp, "num_kv_heads", locs.get("num_kv_heads", locs.get("num_heads")))
+        if attrs.get("window") and attrs.get("window_pattern"):
+            raise SpecError(locs.get("window_pattern"), "give window or window_pattern, not both")
+        if attrs.get("window_pattern") and any(w < 0 for w in attrs["window_pattern"]):
+            raise SpecError(locs.get("window_pattern"), "window_pattern entries are windows >= 1, or 0 for full attention")
+        if ctx.cp > 1:
+            for key in ("window", "window_pattern", "softcap"):
+                if attrs.get(key):
+                    raise SpecError(locs.get(key), f"{key} is not supported with context parallelism (cp={ctx.cp}): "
+                                    "the CP attention masks by causal position only",
+                                    "compile with --context-parallel-size 1")
+
+    def hf_knobs(self):
+        def bidirectional(config, n):
+            flag = config.get("use_bidirectional_attention")
+            return [not flag] * n if isinstance(flag, bool) else None
+
+        return (
+            HFKnob("sliding_window", _windows, lambda a: a.get("window")),
+            HFKnob("attn_logit_softcapping", _each("attn_logit_softcapping"), lambda a: a.get("softcap")),
+            HFKnob("query_pre_attn_scalar",
+                   lambda config, n: [config["query_pre_attn_scalar"] ** -0.5] * n
+                   if config.get("query_pre_attn_scalar") else None,
+                   lambda a: a.get("scale") or a["head_dim"] ** -0.5),
+            HFKnob("use_bidirectional_attention (causal)", bidirectional, lambda a: a["causal"]),
+        )
+
+    def instance_attrs(self, attrs, layer, fail):
+        if not attrs.get("window_pattern"):
+            return attrs
+        if layer is None:
+            fail("window_pattern needs the attention inside a repeated module (it is indexed by the layer)")
+        pattern = attrs["window_pattern"]
+        return {**attrs, "window": pattern[layer % len(pattern)] or None}
+
+    def check_inputs(self, attrs, shapes, ctx, fail):
+        if len(shapes) == 4 and ctx.cp > 1:
+            fail(f"document ids are not supported with context parallelism (cp={ctx.cp}): "
+                 "the CP attention masks by causal position only")
 
     def out_shapes(self, attrs, shapes, fail):
         nh, ng, d = attrs["num_heads"], self.kv_heads(attrs), attrs["head_dim"]
@@ -72,15 +210,18 @@ class CoreAttention(OpKind):
                 fail(f"{name} has last dim {shape[-1]}, expected {n} heads*head_dim")
         if shapes[1][:-1] != shapes[0][:-1] or shapes[2][:-1] != shapes[0][:-1]:
             fail("q, k and v must share their [sequence, batch] dims")
+        if len(shapes) == 4 and tuple(shapes[3]) != (shapes[0][1], shapes[0][0]):
+            fail(f"document ids must be [batch, sequence] = {[shapes[0][1], shapes[0][0]]}, got {list(shapes[3])}")
         return [shapes[0]]
 
     def rule_tp(self, attrs, ctx):
-        return LayoutRule(allowed=("I", "S(h)"))
+        # document ids (a 4th input) are read whole on every rank
+        return LayoutRule(allowed=("I", "S(h)"), joined_inputs=(0, 1, 2), fixed_inputs=(None, None, None, "I"))
 
     def rule_cp(self, attrs, ctx):
         # S(s): this rank's two load-balanced chunks of q attend to the whole sequence's k, v,
         # which the implementation brings in itself (ring of sends, or an all-gather)
-        return LayoutRule(allowed=("S(s)",))
+        return LayoutRule(allowed=("S(s)",), joined_inputs=(0, 1, 2), fixed_inputs=(None, None, None, "S(s)"))
 
     def cp_comm_type(self, attrs, setting: str = "auto") -> tuple:
         """(p2p | all_gather, why): the spec's pin, then the flag's, then the cost model. Both move
@@ -139,16 +280,24 @@ class CoreAttention(OpKind):
         return forward, 2 * forward
 
     def saved_bytes(self, node, local_in, local_out, elt):
-        q, k, v = local_in
+        q, k, v = local_in[:3]
         s, b = q[0], q[1]
         heads = q[-1] // node.attrs["head_dim"]
         saved = [(node.inputs[0], numel(q) * elt), (node.inputs[1], numel(k) * elt), (node.inputs[2], numel(v) * elt)]
-        if node.impl == "unfused":
+        a = node.attrs
+        if len(local_in) == 4:  # the per-batch document mask [b, 1, s, s] (bool), kept for backward
+            saved.append((node.id + ":attn_mask", b * s * s))
+        elif a.get("window"):  # one window mask for the batch
+            saved.append((node.id + ":attn_mask", s * s))
+        if node.impl == "unfused" or a.get("softcap"):  # soft-capping runs the unfused path
             scores = heads * s * s * b
             saved.append((node.id + ":softmax", scores * elt))
+            if a.get("softcap"):  # tanh's backward reads its output: the capped scores
+                saved.append((node.id + ":capped", scores * elt))
             if node.attrs["dropout"] > 0:
                 saved += [(node.id + ":mask", scores), (node.id + ":dropout", scores * elt)]
-        else:  # fused kernels keep the output and the row log-sum-exp, never the s x s scores
+        if node.impl != "unfused" and not a.get("softcap"):
+            # fused kernels keep the output and the row log-sum-exp, never the s x s scores
             saved += [(node.outputs[0], numel(local_out[0]) * elt), (node.id + ":lse", heads * s * b * 4)]
         return saved
 
@@ -166,6 +315,9 @@ class CoreAttention(OpKind):
         extra = ", tp=self.tp" if a["dropout"] > 0 and t > 1 else ""
         if node.in_layouts[0]["cp"] == "S(s)":
             extra += f', cp=self.cp, cp_comm_type="{a.get("cp_comm_type_resolved", "p2p")}"'
+        for key in ("window", "scale", "softcap"):
+            if a.get(key):
+                extra += f", {key}={a[key]!r}"
         return (f"runtime.CoreAttention({a['num_heads'] // t}, {self.kv_heads(a) // t}, {a['head_dim']}, "
                 f"causal={a['causal']}, dropout={a['dropout']!r}, backend=\"{backend}\", rng_tracker=rng_tracker"
                 + extra + ")")

@@ -51,6 +51,19 @@ class LayoutRule:
     prefer: str | None = None  # the placement its joined inputs should arrive in when its outputs are fixed
 
 
+@dataclass(frozen=True)
+class HFKnob:
+    """A Hugging Face config key whose behaviour an op kind models. `requested(config, n)` reads
+    what config.json asks of the model's n ops of this kind (a list, one per op in execution
+    order), or None when config.json does not say; `modeled(attrs)` is what one op does. `any`:
+    one value for the whole model, true when any op has it (a tied output layer)."""
+
+    key: str
+    requested: object
+    modeled: object
+    any: bool = False
+
+
 @dataclass
 class Ctx:
     """Parallel settings the op rules read, and the mesh axis being typed.
@@ -97,6 +110,19 @@ class OpKind:
 
     def out_shapes(self, attrs: dict, shapes: list, fail) -> list:
         return [shapes[0]]
+
+    def hf_knobs(self) -> tuple:
+        """The Hugging Face config keys whose behaviour this op kind models (HFKnob): a checkpoint
+        whose config asks for something else is refused on import, whatever the spec lists."""
+        return ()
+
+    def instance_attrs(self, attrs: dict, layer: int | None, fail) -> dict:
+        """The attributes of one instance, given the index of the innermost repeated module it
+        is in (None outside repeats): per-layer attributes are resolved here."""
+        return attrs
+
+    def check_inputs(self, attrs: dict, shapes: list, ctx: Ctx, fail) -> None:
+        """Rules on the inputs this instance receives under the parallel settings."""
 
     def weights(self, attrs: dict) -> list:
         return []

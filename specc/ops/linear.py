@@ -4,7 +4,7 @@ sharded, output a partial sum), or replicated."""
 from __future__ import annotations
 
 from ..errors import SpecError
-from .base import Attr, LayoutRule, OpKind, Weight, need_divisible, numel
+from .base import Attr, HFKnob, LayoutRule, OpKind, Weight, need_divisible, numel
 
 
 class Linear(OpKind):
@@ -81,6 +81,11 @@ class Linear(OpKind):
         if attrs["parallel"] == "row" and attrs.get("bias"):
             return [("bias_add", {"size": attrs["out_features"]})]
         return []
+
+    def hf_knobs(self):
+        # whether the output layer shares the word embedding's weight
+        return (HFKnob("tie_word_embeddings", lambda config, n: config.get("tie_word_embeddings"),
+                       lambda a: bool(a.get("tie")), any=True),)
 
     def tie_contract(self, attrs) -> tuple:
         """(the shape of the weight it shares, the dim TP shards it on) for `tie:` checks."""

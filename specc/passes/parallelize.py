@@ -89,7 +89,8 @@ def _type_axis(g: Graph, op: Op, ctx: Ctx, converted: dict):
         layouts = [g.values[v].layout[axis] for v in op.inputs]
     joined = list(rule.joined_inputs) if rule.joined_inputs is not None else [
         i for i in range(len(layouts)) if not rule.fixed_inputs or rule.fixed_inputs[i] is None]
-    need = list(rule.fixed_inputs) if rule.fixed_inputs else [None] * len(layouts)
+    # an op with optional inputs states rules for all of them: keep those of the inputs it has
+    need = (list(rule.fixed_inputs) if rule.fixed_inputs else [None] * len(layouts))[:len(layouts)]
     target = _join(g, op, rule, [layouts[i] for i in joined], [op.inputs[i] for i in joined], ctx) if joined else None
     for i in joined:
         need[i] = target

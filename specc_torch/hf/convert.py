@@ -48,15 +48,16 @@ def _safetensors():
 
 # -- the compiled model's parameters, without memory --------------------------------------------------
 
-def model_params(spec_path: str, overrides: dict | None = None):
+def model_params(spec_path: str, overrides: dict | None = None, with_graph: bool = False):
     """(spec, {"name", "sha256"}, {parameter name: ParamInit}) of the spec compiled at TP=1,
-    built on the meta device (no memory, no initialization)."""
-    source, spec, _ = api.compile_source(spec_path, 1, overrides=dict(overrides or {}))
+    built on the meta device (no memory, no initialization); and its op graph `with_graph`."""
+    source, spec, graph = api.compile_source(spec_path, 1, overrides=dict(overrides or {}))
     module = api.load_module_from_source(source, spec.name)
     with torch.device("meta"):
         model = getattr(module, spec.root)(ProcessGroups.single(), None)
     params = {name: p._specc_init for name, p in model.named_parameters()}
-    return spec, {"name": module.SPEC_NAME, "sha256": module.SPEC_SHA256}, params
+    out = spec, {"name": module.SPEC_NAME, "sha256": module.SPEC_SHA256}, params
+    return (*out, graph) if with_graph else out
 
 
 # -- layout transforms ---------------------------------------------------------------------------------
@@ -74,17 +75,42 @@ def _half_to_interleaved(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return heads.transpose(1, 2).reshape(t.shape)
 
 
-def _to_specc(t: torch.Tensor, mapping: Mapping, transpose: bool, rotary: bool) -> torch.Tensor:
+def _grouped_to_sections(t: torch.Tensor, groups: int, sections: tuple) -> torch.Tensor:
+    """Rows from `groups` groups of [s0 | s1 | ...] (GPT-NeoX's per-head [q_h | k_h | v_h],
+    Megatron's per-query-group layout) to [all s0 | all s1 | ...], group order kept in each."""
+    per_group = t.reshape(groups, sum(sections), *t.shape[1:])
+    return torch.cat([p.reshape(groups * n, *t.shape[1:]) for p, n in zip(per_group.split(list(sections), dim=1),
+                                                                          sections)], dim=0)
+
+
+def _sections_to_grouped(t: torch.Tensor, groups: int, sections: tuple) -> torch.Tensor:
+    pieces = [p.reshape(groups, n, *t.shape[1:]) for p, n in zip(t.split([groups * n for n in sections], dim=0),
+                                                                 sections)]
+    return torch.cat(pieces, dim=1).reshape(t.shape)
+
+
+def _check_permute(t: torch.Tensor, entry, hf_name: str, where: str) -> None:
+    groups, sections = entry.permute
+    if t.dim() == 0 or t.shape[0] != groups * sum(sections):
+        raise HFError(f"{where}: {hf_name} has {t.shape[0] if t.dim() else 0} rows, but its permute needs "
+                      f"{groups} groups of {sum(sections)} = {groups * sum(sections)}")
+
+
+def _to_specc(t: torch.Tensor, mapping: Mapping, transpose: bool, rotary: bool, permute=None) -> torch.Tensor:
     if transpose:
         t = t.t()
+    if permute is not None:
+        t = _grouped_to_sections(t, *permute)
     if rotary and mapping.rotary_layout == "interleaved":
         t = _interleaved_to_half(t, mapping.rotary_head_dim)
     return t
 
 
-def _to_hf(t: torch.Tensor, mapping: Mapping, transpose: bool, rotary: bool) -> torch.Tensor:
+def _to_hf(t: torch.Tensor, mapping: Mapping, transpose: bool, rotary: bool, permute=None) -> torch.Tensor:
     if rotary and mapping.rotary_layout == "interleaved":
         t = _half_to_interleaved(t, mapping.rotary_head_dim)
+    if permute is not None:
+        t = _sections_to_grouped(t, *permute)
     if transpose:
         t = t.t()
     return t.contiguous().clone()  # its own storage: safetensors refuses tensors that share memory
@@ -185,6 +211,49 @@ def check_config(mapping: Mapping, config: dict, where: str, spec_name: str) -> 
     walk(mapping.import_config, config, "")
 
 
+def _same_request(want, have) -> bool:
+    if want is None or have is None:
+        return want is None and have is None
+    if isinstance(want, bool) or isinstance(have, bool):
+        return bool(want) is bool(have) if isinstance(want, bool) and isinstance(have, bool) else False
+    if isinstance(want, (int, float)) and isinstance(have, (int, float)):
+        return abs(float(want) - float(have)) <= 1e-9 * max(abs(float(want)), abs(float(have)))
+    return want == have
+
+
+def _shown(value) -> str:
+    return "none" if value is None else json.dumps(value)
+
+
+def check_modeled(graph, config: dict, where: str, spec_name: str) -> None:
+    """Refuse a checkpoint whose config.json asks for behaviour the spec's ops do not model: every
+    op kind declares the Hugging Face keys it knows (HFKnob: sliding_window, rope scaling, the
+    partial rotary factor, soft-capping, tied embeddings...), and each is compared with what the
+    model's ops of that kind do, op by op, so nothing depends on a spec author listing the key."""
+    from specc.ops import OPS
+
+    for kind in OPS.values():
+        knobs = kind.hf_knobs()
+        if not knobs:
+            continue
+        ops = [op for op in graph.iter_ops() if op.kind == kind.name]
+        for knob in knobs:
+            want = knob.requested(config, len(ops))
+            if want is None:
+                continue
+            if knob.any:
+                have = any(knob.modeled(op.attrs) for op in ops)
+                if not _same_request(want, have):
+                    raise HFError(f"{where}: config.json asks for {knob.key} = {_shown(want)}, but spec {spec_name}'s "
+                                  f"{kind.name} ops model {_shown(have)}")
+                continue
+            for op, asked in zip(ops, want):
+                have = knob.modeled(op.attrs)
+                if not _same_request(asked, have):
+                    raise HFError(f"{where}: config.json asks for {knob.key} = {_shown(asked)}, but spec {spec_name} "
+                                  f"models {_shown(have)} at {op.id} ({kind.name})")
+
+
 # -- import -------------------------------------------------------------------------------------------
 
 def _fresh_output(out: str) -> None:
@@ -195,11 +264,12 @@ def _fresh_output(out: str) -> None:
 def import_hf(hf_dir: str, spec_path: str, out: str, overrides: dict | None = None) -> dict:
     """Import HF_DIR into a new specc checkpoint directory OUT (step 0). Returns a summary."""
     _fresh_output(out)
-    spec, identity, params = model_params(spec_path, overrides)
+    spec, identity, params, graph = model_params(spec_path, overrides, with_graph=True)
     mapping = mapping_of(spec)
     bound = bind(mapping, params, spec.name)
     config = read_hf_config(hf_dir)
     check_config(mapping, config, hf_dir, spec.name)
+    check_modeled(graph, config, hf_dir, spec.name)
     source = _SafetensorsDir(hf_dir)
 
     tensors, used = {}, set()
@@ -212,7 +282,10 @@ def import_hf(hf_dir: str, spec_path: str, out: str, overrides: dict | None = No
                 if hf_name not in source.where:
                     raise HFError(f"{hf_dir}: no tensor {hf_name} (for {name})")
                 used.add(hf_name)
-                pieces.append(_to_specc(source.get(hf_name), mapping, entry.transpose, entry.rotary[k]))
+                tensor = source.get(hf_name)
+                if entry.permute is not None:
+                    _check_permute(tensor.t() if entry.transpose else tensor, entry, hf_name, hf_dir)
+                pieces.append(_to_specc(tensor, mapping, entry.transpose, entry.rotary[k], entry.permute))
             if entry.fused:
                 dim, sizes = _segments(name, meta, entry, len(pieces))
                 dim -= int(entry.experts)  # one expert's tensor: the expert dim 0 is not there
@@ -271,7 +344,7 @@ def export_hf(ckpt: str, spec_path: str, out: str, overrides: dict | None = None
             else:
                 pieces = [tensor]
             for k, (piece, hf_name) in enumerate(zip(pieces, names)):
-                tensors[hf_name] = _to_hf(piece, mapping, entry.transpose, entry.rotary[k])
+                tensors[hf_name] = _to_hf(piece, mapping, entry.transpose, entry.rotary[k], entry.permute)
     dtypes = {t.dtype for t in tensors.values()}
     config = {"architectures": [mapping.architecture] if mapping.architecture else None, **mapping.config,
               **mapping.export_config}
@@ -298,4 +371,5 @@ def export_hf(ckpt: str, spec_path: str, out: str, overrides: dict | None = None
             "step": info["step"], "spec": identity["name"], "architecture": mapping.architecture}
 
 
-__all__ = ["HFError", "CheckpointError", "export_hf", "import_hf", "model_params", "read_hf_config", "check_config"]
+__all__ = ["HFError", "CheckpointError", "export_hf", "import_hf", "model_params", "read_hf_config", "check_config",
+           "check_modeled"]

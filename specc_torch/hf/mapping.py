@@ -15,6 +15,9 @@ the parameters of the compiled model.
         - {specc: "layers.{i}.mlp.linear_fc1.weight", hf: "transformer.h.{i}.mlp.c_fc.weight", transpose: true}
         - specc: "layers.{i}.mlp.experts.linear_fc1.weight"          # stacked experts [E, 2F, h]
           hf: ["model.layers.{i}.mlp.experts.{e}.w1.weight", ...]    # {e}: one tensor per expert, stacked
+        - specc: "layers.{i}.self_attention.linear_qkv.weight"      # HF rows: per head [q_h | k_h | v_h]
+          hf: "gpt_neox.layers.{i}.attention.query_key_value.weight"
+          permute: {groups: "${num_attention_heads}", sections: ["${head_dim}", "${head_dim}", "${head_dim}"]}
       ignore: ["lm_head.weight"]                                     # HF tensors that are not imported
 
 Nothing here knows a model family: which names, which transposes, which splits all come from the
@@ -39,6 +42,7 @@ class Entry:
     rotary: list  # per hf name: holds rotary q/k heads
     loc: Loc
     experts: bool = False  # hf names hold {e}: one tensor per expert, stacked on the parameter's dim 0
+    permute: tuple | None = None  # (groups, sections): HF rows are groups of [s0 | s1 | ...]
 
     def regex(self) -> re.Pattern:
         return re.compile(re.escape(self.specc).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
@@ -101,9 +105,14 @@ def mapping_of(spec) -> Mapping:
         names = [str(x) for x in names] if fused else [str(names)]
         flags = raw.get("rotary", False)
         flags = list(flags) if isinstance(flags, list) else [bool(flags)] * len(names)
+        permute = None
+        if raw.get("permute") is not None:
+            at = raw.value_loc("permute") if hasattr(raw, "value_loc") else loc
+            p = _evaluate(raw["permute"], at, spec)
+            permute = (int(p["groups"]), tuple(int(x) for x in p["sections"]))
         entries.append(Entry(str(raw["specc"]), names, fused, bool(raw.get("transpose", False)), flags,
                              raw.value_loc("specc") if hasattr(raw, "value_loc") else loc,
-                             experts=any("{e}" in n for n in names)))
+                             experts=any("{e}" in n for n in names), permute=permute))
     return Mapping(
         architecture=str(hf["architecture"]) if hf.get("architecture") is not None else None,
         config=_evaluate(hf.get("config") or {}, loc, spec),

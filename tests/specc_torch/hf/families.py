@@ -1,0 +1,103 @@
+"""The shipped families' tiny Hugging Face configs (random weights, no download), each beside
+its tiny spec, and the parity run: HF model -> `specc hf import` -> the compiled spec's logits at
+TP 1, 2, 4 with and without SP, all in one 4-rank gloo world."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import specc_torch
+from runtime.parallel_state import ProcessGroups
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+SEQ, BATCH, VOCAB = 16, 2, 256
+
+
+def _spec(name: str) -> str:
+    return os.path.join(ROOT, "specs", f"{name}-tiny.yaml")
+
+
+def _llama_like(**kw):
+    base = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
+                num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=32, rms_norm_eps=1e-5,
+                tie_word_embeddings=False)
+    base.update(kw)
+    return base
+
+
+def hf_config(family: str):
+    import transformers as T
+
+    if family == "llama3":
+        return T.LlamaConfig(**_llama_like(rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}))
+    if family == "qwen2":
+        return T.Qwen2Config(**_llama_like(rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    if family == "mistral":
+        return T.MistralConfig(**_llama_like(head_dim=8, sliding_window=5))
+    if family == "phi3":
+        return T.Phi3Config(**_llama_like(num_key_value_heads=4, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    raise KeyError(family)
+
+
+FAMILIES = {name: _spec(name) for name in ("llama3", "qwen2", "mistral", "phi3")}
+
+
+def hf_model(family: str, seed: int = 0):
+    """A random model; every parameter moved off its init (biases off 0, norm gains off 1)."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    torch.manual_seed(seed)
+    config = hf_config(family)
+    auto = AutoModelForMaskedLM if config.model_type == "bert" else AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+def inputs(seed: int = 5) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+
+
+@torch.no_grad()
+def hf_logits(model, batch: dict) -> torch.Tensor:
+    return model(input_ids=batch["tokens"]).logits.float()
+
+
+@torch.no_grad()
+def specc_logits(model, batch: dict, names: list) -> torch.Tensor:
+    """The logits the compiled model returns (gathered to [s, b, vocab]) as [b, s, vocab]."""
+    model.eval()
+    out = model(*[batch[n] for n in names])
+    logits = out[-1] if isinstance(out, tuple) else out
+    return logits.float().transpose(0, 1).contiguous()
+
+
+def parity(rank: int, world: int, cases: list) -> list:
+    """On `world` ranks: every (family, checkpoint, input names, batch) at each TP size dividing
+    the world, with and without SP; [(family, tp, sp, logits)] on rank 0 of each TP group."""
+    from runtime.checkpoint import load_checkpoint
+
+    out = []
+    for tp in (1, 2, 4):
+        if world % tp:
+            continue
+        pg = ProcessGroups.initialize(tp=tp)
+        try:
+            for family, spec, ckpt, names, batch in cases:
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    model = specc_torch.build_model(spec, pg, seed=123, sp=sp)
+                    load_checkpoint(ckpt, model, pg)
+                    logits = specc_logits(model, batch, names)
+                    if rank == 0:
+                        out.append((family, tp, sp, logits))
+        finally:
+            pg.destroy()
+    return out
