@@ -58,7 +58,7 @@ class _Chain:
     def __init__(self, layers):
         self.layers = list(layers)
 
-    def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
+    def __call__(self, x, *rest):
+        for layer in self.layers:  # side inputs (a padding mask) reach every layer
+            x = layer(x, *rest)
         return x

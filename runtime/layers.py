@@ -211,14 +211,17 @@ class VocabParallelEmbedding(nn.Module):
     """Weight [V/t, h]: rank r holds rows r*V/t .. (r+1)*V/t. forward(tokens [b, s])
     returns [s, b, h] partial sums (P): ids outside this rank's rows give zeros."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: Group, init_std: float = 0.02):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: Group, init_std: float = 0.02,
+                 replicated: bool = False):
         super().__init__()
+        if replicated and tp.size != 1:
+            raise ValueError("a replicated embedding takes tp=Group.single('tp')")
         local = _divide(num_embeddings, tp.size, "num_embeddings (vocab size)")
         self.num_embeddings, self.embedding_dim, self.tp = num_embeddings, embedding_dim, tp
         self.vocab_start, self.vocab_end = tp.rank * local, (tp.rank + 1) * local
         self.weight = nn.Parameter(torch.empty(local, embedding_dim))
-        tag_parameter(self.weight, "normal", tp=tp, std=init_std,
-                      full_shape=(num_embeddings, embedding_dim), shard_dim=0)
+        tag_parameter(self.weight, "normal", tp=tp, std=init_std, full_shape=(num_embeddings, embedding_dim),
+                      **({} if replicated else {"shard_dim": 0}))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

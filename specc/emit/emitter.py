@@ -212,7 +212,8 @@ class _Emitter:
                 init.append(f"self.{attr} = nn.ModuleList([" + ", ".join(f"{c}(pg, rng_tracker)" for c in classes) + "])")
             out = names.bind(outs[0], g.call_names[child][0], index, last_use)
             lines = [] if out == arg_names[0] else [f"{out} = {arg_names[0]}"]
-            return lines + self._layer_loop(child, attr, out, count)
+            rest = "".join(f", {n}" for n in arg_names[1:])  # side inputs (a padding mask) reach every layer
+            return lines + self._layer_loop(child, attr, out, count, rest)
         init.append(f"self.{attr} = {self.class_for(child)}(pg, rng_tracker)")
         out_names = [names.bind(v, n, index, last_use) for v, n in zip(outs, g.call_names[child])]
         if self.recompute is not None and child in self.recompute.calls:
@@ -222,13 +223,14 @@ class _Emitter:
                     f"rng_tracker=self.rng_tracker)"]
         return [f"{', '.join(out_names)} = self.{attr}({', '.join(arg_names)})"]
 
-    def _layer_loop(self, group: str, attr: str, out: str, count: int) -> list:
-        """The loop over a repeated module's instances, with Megatron's recompute methods."""
+    def _layer_loop(self, group: str, attr: str, out: str, count: int, rest: str = "") -> list:
+        """The loop over a repeated module's instances, with Megatron's recompute methods; `rest`:
+        the side inputs every instance also takes."""
         form = self.recompute.groups.get(group) if self.recompute is not None else None
         if form is None:
-            return [f"for layer in self.{attr}:", f"    {out} = layer({out})"]
+            return [f"for layer in self.{attr}:", f"    {out} = layer({out}{rest})"]
         first = self.recompute.regions[self.recompute.calls.get(f"{group}.0", 0)] if form[0] != "uniform" else None
-        call = f"runtime.recompute({{}}, {out}, rng_tracker=self.rng_tracker)"
+        call = f"runtime.recompute({{}}, {out}{rest}, rng_tracker=self.rng_tracker)"
         if form[0] == "all":
             return [f"# recompute (full): every layer keeps only its input; backward runs its forward again "
                     f"({first.source})",
@@ -238,7 +240,7 @@ class _Emitter:
             return [f"# recompute (full, block): the first {n} of {count} layers keep only their input; backward "
                     "runs their forward again",
                     f"for i, layer in enumerate(self.{attr}):",
-                    f"    {out} = {call.format('layer')} if i < {n} else layer({out})"]
+                    f"    {out} = {call.format('layer')} if i < {n} else layer({out}{rest})"]
         return [f"# recompute (full, uniform): each group of {n} layers keeps only its input; backward runs the "
                 "group's forward again",
                 f"for start in range(0, {count}, {n}):",

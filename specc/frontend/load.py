@@ -539,9 +539,10 @@ def _check_arity(e, targets, m: ModuleDef, modules: dict, top: bool) -> None:
     if isinstance(sub, Ref):
         callee = modules[sub.module]
         n_in, n_out = len(callee.inputs), len(callee.returns)
-        if sub.repeat is not None and (n_in != 1 or n_out != 1):
-            raise SpecError(sub.loc, f"repeated module '{sub.module}' must take one input and return one value",
-                            f"it takes {n_in} and returns {n_out}")
+        if sub.repeat is not None and (n_in < 1 or n_out != 1):
+            raise SpecError(sub.loc, f"repeated module '{sub.module}' must take at least one input and return one value",
+                            f"it takes {n_in} and returns {n_out}; the first input is threaded through the layers, "
+                            "the others (a padding mask) reach every layer unchanged")
         lo, hi = n_in, n_in
     else:
         kind = SPEC_OPS[sub.op]

@@ -62,9 +62,9 @@ def _eval(g: Graph, m, scope: str, index: int, e, env: dict, targets: list) -> l
         for i in range(sub.repeat):
             outs = _instantiate(g, sub.module, f"{sub_scope}.{i}", args)
             g.set_call(f"{sub_scope}.{i}", args, outs)
-            args = outs
-        g.set_call(sub_scope, first, args)
-        return args
+            args = outs + first[1:]  # the first input is threaded; the others reach every layer
+        g.set_call(sub_scope, first, args[:1])
+        return args[:1]
     assert isinstance(sub, Leaf)
     return _leaf(g, m, scope, index, e, sub.op, sub.attrs, f"{prefix}{sub.name}", sub.name, args, targets, sub.impl,
                  sub.attr_locs)

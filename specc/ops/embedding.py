@@ -20,18 +20,23 @@ class Embedding(OpKind):
         Attr("num_embeddings", "int", required=True, minimum=1),
         Attr("embedding_dim", "int", required=True, minimum=1),
         Attr("init_std", "float", default=0.02, minimum=0.0),
+        Attr("parallel", "str", default="vocab", choices=("vocab", "none"),
+             doc="vocab: rows sharded over TP; none: every rank holds the table (a small one, e.g. BERT's token types)"),
     )
     out_shapes = _token_shape
 
     def check(self, attrs, locs, ctx):
-        need_divisible(attrs["num_embeddings"], ctx.tp, "num_embeddings", locs.get("num_embeddings"),
-                       f"pad the vocabulary to a multiple of {ctx.tp}, as Megatron's --make-vocab-size-divisible-by does")
+        if attrs["parallel"] == "vocab":
+            need_divisible(attrs["num_embeddings"], ctx.tp, "num_embeddings", locs.get("num_embeddings"),
+                           f"pad the vocabulary to a multiple of {ctx.tp}, as Megatron's --make-vocab-size-divisible-by "
+                           "does (or parallel: none for a small table)")
 
     def weights(self, attrs):
-        return [Weight("weight", (attrs["num_embeddings"], attrs["embedding_dim"]), "normal", 0)]
+        shard = 0 if attrs["parallel"] == "vocab" else None
+        return [Weight("weight", (attrs["num_embeddings"], attrs["embedding_dim"]), "normal", shard)]
 
     def rule_tp(self, attrs, ctx):
-        if ctx.tp == 1:
+        if ctx.tp == 1 or attrs["parallel"] == "none":
             return LayoutRule(fixed_inputs=("I",), fixed_outputs=("I",))
         return LayoutRule(fixed_inputs=("I",), fixed_outputs=("P",))
 
@@ -43,6 +48,9 @@ class Embedding(OpKind):
 
     def constructor(self, node, ctx):
         a = node.attrs
+        if a["parallel"] == "none":  # the whole table on every rank, recorded as replicated at any TP size
+            return (f"runtime.VocabParallelEmbedding({a['num_embeddings']}, {a['embedding_dim']}, "
+                    f"tp=runtime.Group.single(\"tp\"), init_std={a['init_std']!r}, replicated=True)")
         return f"runtime.VocabParallelEmbedding({a['num_embeddings']}, {a['embedding_dim']}, tp=self.tp, init_std={a['init_std']!r})"
 
     def call(self, node, args, ctx):

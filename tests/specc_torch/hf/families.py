@@ -20,7 +20,7 @@ def _spec(name: str) -> str:
 
 
 def _llama_like(**kw):
-    base = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
+    base = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, intermediate_size=96,
                 num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=32, rms_norm_eps=1e-5,
                 tie_word_embeddings=False)
     base.update(kw)
@@ -40,10 +40,20 @@ def hf_config(family: str):
         return T.MistralConfig(**_llama_like(head_dim=8, sliding_window=5))
     if family == "phi3":
         return T.Phi3Config(**_llama_like(num_key_value_heads=4, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    if family == "gpt-neox":
+        return T.GPTNeoXConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2,
+                               vocab_size=VOCAB, max_position_embeddings=32, layer_norm_eps=1e-5,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.25},
+                               hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    if family == "bert":
+        return T.BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2,
+                            vocab_size=VOCAB, max_position_embeddings=32, type_vocab_size=2,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     raise KeyError(family)
 
 
-FAMILIES = {name: _spec(name) for name in ("llama3", "qwen2", "mistral", "phi3")}
+FAMILIES = {name: _spec(name) for name in ("llama3", "qwen2", "mistral", "phi3", "gpt-neox", "bert")}
 
 
 def hf_model(family: str, seed: int = 0):
@@ -61,23 +71,44 @@ def hf_model(family: str, seed: int = 0):
 
 
 def inputs(seed: int = 5) -> dict:
+    """One batch; the second sequence is 11 tokens and 5 pads (attention_mask 1/0), for the
+    models that take a padding mask."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+    mask = torch.ones(BATCH, SEQ, dtype=torch.int64)
+    mask[1, 11:] = 0
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+            "token_types": (torch.arange(SEQ) >= SEQ // 2).long().expand(BATCH, SEQ).contiguous(),
+            "attention_mask": mask}
+
+
+def real(batch: dict, family: str) -> torch.Tensor:
+    """[b, s] True where a token is real: a pad's own output is whatever each side makes of it."""
+    if family == "bert":
+        return batch["attention_mask"].bool()
+    return torch.ones_like(batch["tokens"], dtype=torch.bool)
 
 
 @torch.no_grad()
 def hf_logits(model, batch: dict) -> torch.Tensor:
+    if model.config.model_type == "bert":
+        return model(input_ids=batch["tokens"], token_type_ids=batch["token_types"],
+                     attention_mask=batch["attention_mask"]).logits.float()
     return model(input_ids=batch["tokens"]).logits.float()
 
 
 @torch.no_grad()
-def specc_logits(model, batch: dict, names: list) -> torch.Tensor:
-    """The logits the compiled model returns (gathered to [s, b, vocab]) as [b, s, vocab]."""
+def specc_logits(model, batch: dict, names: list, tp) -> torch.Tensor:
+    """The output layer's vocab-sharded [s, b, vocab/t] logits, gathered over TP, as [b, s, vocab]."""
+    from runtime.mappings import gather_last
+
+    captured = []
+    handle = model.output_layer.register_forward_hook(lambda m, i, out: captured.append(out.detach()))
     model.eval()
-    out = model(*[batch[n] for n in names])
-    logits = out[-1] if isinstance(out, tuple) else out
-    return logits.float().transpose(0, 1).contiguous()
+    model(*[batch[n] for n in names])
+    handle.remove()
+    logits = gather_last(captured[0].float().contiguous(), tp) if tp.size > 1 else captured[0].float()
+    return logits.transpose(0, 1).contiguous()
 
 
 def parity(rank: int, world: int, cases: list) -> list:
@@ -95,7 +126,7 @@ def parity(rank: int, world: int, cases: list) -> list:
                 for sp in ((False, True) if tp > 1 else (False,)):
                     model = specc_torch.build_model(spec, pg, seed=123, sp=sp)
                     load_checkpoint(ckpt, model, pg)
-                    logits = specc_logits(model, batch, names)
+                    logits = specc_logits(model, batch, names, pg.tp)
                     if rank == 0:
                         out.append((family, tp, sp, logits))
         finally:

@@ -1,0 +1,132 @@
+"""The shipped families against their Hugging Face implementations (random models built from
+tiny configs, no download): `specc hf import`, then the compiled tiny spec's logits equal
+transformers' to 1e-4 at TP 1, 2 and 4 with and without SP, in one 4-rank gloo world; import then
+export gives back every tensor bit for bit; a config asking for behaviour the spec's ops do not
+model is refused in one line."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from families import FAMILIES, hf_logits, hf_model, inputs, parity, real
+from safetensors.torch import load_file
+
+from specc_torch.hf import HFError, export_hf, import_hf
+from specc_torch.hf.convert import _grouped_to_sections, _sections_to_grouped, check_modeled, model_params
+
+pytest.importorskip("transformers")
+TOL = 1e-4
+NAMES = {"bert": ["tokens", "token_types", "attention_mask", "labels"]}
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """family -> (HF directory, imported checkpoint, HF logits) for every family."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    root = tmp_path_factory.mktemp("families")
+    out, batch = {}, inputs()
+    for family, spec in FAMILIES.items():
+        model = hf_model(family)
+        hf_dir, ckpt = str(root / family / "hf"), str(root / family / "ckpt")
+        model.save_pretrained(hf_dir)
+        done = import_hf(hf_dir, spec, ckpt)
+        assert done["parameters"] == sum(p.numel() for p in model.parameters())  # a tied weight counts once
+        out[family] = (hf_dir, ckpt, hf_logits(model, batch))
+    return out
+
+
+def test_logits_match_transformers_at_tp_1_2_4_with_and_without_sp(gloo, imported):
+    batch = inputs()
+    cases = [(f, FAMILIES[f], imported[f][1], NAMES.get(f, ["tokens", "labels"]), batch) for f in FAMILIES]
+    results = gloo.run(4, parity, cases)[0]
+    seen = set()
+    for family, tp, sp, logits in results:
+        expected = imported[family][2]
+        keep = real(batch, family)
+        err = (logits - expected)[keep].abs().max().item()
+        assert err < TOL, f"{family} tp={tp} sp={sp}: max |specc - transformers| = {err:.2e}"
+        seen.add((family, tp, sp))
+    assert len(seen) == len(FAMILIES) * 5  # tp 1; tp 2 and 4, each with and without SP
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_import_then_export_round_trips_bit_exactly(imported, tmp_path, family):
+    hf_dir, ckpt, _ = imported[family]
+    export_hf(ckpt, FAMILIES[family], str(tmp_path / "out"))
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    ignored = {k for k in original if k not in exported}
+    assert all(k.endswith(("position_ids", "token_type_ids", "inv_freq")) for k in ignored), ignored
+    for name, t in exported.items():
+        assert torch.equal(original[name], t), name
+
+
+def test_exported_models_load_in_transformers(imported, tmp_path):
+    """GPT-NeoX (rows permuted back per head) and BERT (tied decoder and bias) from specc's checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    batch = inputs()
+    for family, auto in (("gpt-neox", AutoModelForCausalLM), ("bert", AutoModelForMaskedLM)):
+        out = str(tmp_path / family)
+        export_hf(imported[family][1], FAMILIES[family], out)
+        model = auto.from_pretrained(out, attn_implementation="eager").eval()
+        keep = real(batch, family)
+        assert (hf_logits(model, batch) - imported[family][2])[keep].abs().max().item() < TOL
+
+
+def test_the_per_head_permutation():
+    """GPT-NeoX's fused QKV rows [q0 k0 v0 q1 k1 v1] become [q0 q1 | k0 k1 | v0 v1], and back."""
+    rows = torch.arange(12.0)[:, None].expand(12, 3)  # 2 heads, head_dim 2: q0=0,1 k0=2,3 v0=4,5 q1=6,7...
+    specc = _grouped_to_sections(rows, 2, (2, 2, 2))
+    assert specc[:, 0].tolist() == [0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11]
+    assert torch.equal(_sections_to_grouped(specc, 2, (2, 2, 2)), rows)
+    grouped = _grouped_to_sections(torch.arange(8.0), 2, (2, 1, 1))  # grouped-query: 2 q heads per group
+    assert grouped.tolist() == [0, 1, 4, 5, 2, 6, 3, 7]
+
+
+def _refused(tmp_path, family: str, spec: str, **changes) -> str:
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    import families
+
+    config = families.hf_config(family)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    hf_dir = str(tmp_path / "hf")
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
+    with pytest.raises(HFError) as e:
+        import_hf(hf_dir, spec, str(tmp_path / "ckpt"))
+    assert not os.path.exists(tmp_path / "ckpt")
+    return str(e.value)
+
+
+def test_configs_the_ops_do_not_model_are_refused(tmp_path):
+    """The ops' own knowledge, not keys the spec lists: qwen2.yaml names no sliding_window, llama's
+    mapping no partial rotary factor, mistral's none that is null, and none of them ties."""
+    llama_tiny = os.path.join(os.path.dirname(FAMILIES["llama3"]), "llama-tiny.yaml")
+    assert _refused(tmp_path / "a", "qwen2", FAMILIES["qwen2"], use_sliding_window=True, sliding_window=8,
+                    layer_types=["sliding_attention", "sliding_attention"]) == (
+        f"{tmp_path}/a/hf: config.json asks for sliding_window = 8, but spec qwen2_tiny models none at "
+        "layers.0.self_attention.core_attention (core_attention)")
+    # a checkpoint without the window the spec has (its listed sliding_window is null, so not checked)
+    assert _refused(tmp_path / "b", "mistral", FAMILIES["mistral"], sliding_window=None) == (
+        f"{tmp_path}/b/hf: config.json asks for sliding_window = none, but spec mistral_tiny models 5 at "
+        "layers.0.self_attention.core_attention (core_attention)")
+    partial = dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                   num_key_value_heads=4)
+    assert _refused(tmp_path / "c", "llama3", llama_tiny, **partial) == (
+        f"{tmp_path}/c/hf: config.json asks for partial_rotary_factor = 0.5, but spec llama_tiny models 1.0 at "
+        "layers.0.self_attention.rotary (rotary)")
+    # the knob alone, as a spec that lists no tie_word_embeddings meets it
+    graph = model_params(FAMILIES["mistral"], with_graph=True)[3]
+    with pytest.raises(HFError) as e:
+        check_modeled(graph, {"tie_word_embeddings": True}, "x", "mistral_tiny")
+    assert str(e.value) == "x: config.json asks for tie_word_embeddings = true, but spec mistral_tiny's linear ops model false"
+    check_modeled(graph, {"tie_word_embeddings": False, "sliding_window": 5, "rope_theta": 10000.0}, "x", "mistral_tiny")
