@@ -248,6 +248,14 @@ def _capture(model, sites):
     return store, handles
 
 
+def _loss_and_returned(out):
+    """A model returns its per-token loss, or the loss first and further values (the logits, for
+    evaluation and generation), each already complete and replicated on every rank."""
+    if isinstance(out, (tuple, list)):
+        return out[0], [o.detach().clone() for o in out[1:]]
+    return out, []
+
+
 def _run(model, pg, cfg, inputs, logits_path, logits_site, sites, dp_batches: int = 1):
     """K training steps; what to compare, as full tensors on every rank. In data-parallel mode
     (cfg.data_parallel) this rank trains on its DP rank's batches and the gradients are averaged
@@ -261,7 +269,7 @@ def _run(model, pg, cfg, inputs, logits_path, logits_site, sites, dp_batches: in
     # exact arithmetic (the key bias: softmax ignores it) up to lr-sized steps on either side
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     losses, grads, counts = [], None, None
-    activations = {}
+    activations, returned = {}, []
     for step in range(cfg.steps):
         if dp_batches > 1:
             loss = _reference_step(model, cfg, inputs, step, dp_batches, sites, activations, captured)
@@ -271,7 +279,8 @@ def _run(model, pg, cfg, inputs, logits_path, logits_site, sites, dp_batches: in
             batch = _data(cfg, inputs, step, pg.dp.rank if cfg.data_parallel else 0)
             store, handles = _capture(model, sites) if step == 0 else ({}, [])
             with CommCounter() as counter:
-                loss = model(*batch)
+                loss, extra = _loss_and_returned(model(*batch))
+                returned = extra if step == 0 else returned
                 for h in handles:
                     h.remove()
                 loss.mean().backward()
@@ -293,7 +302,7 @@ def _run(model, pg, cfg, inputs, logits_path, logits_site, sites, dp_batches: in
         opt.zero_grad(set_to_none=True)
     weights = {n: gather_full(p, p, pg.tp, pg.ep) for n, p in model.named_parameters()}
     return {"loss": torch.stack(losses), "logits": logits, "grads": grads, "weights": weights, "counts": counts,
-            "activations": activations}
+            "activations": activations, "returned": returned}
 
 
 def _reference_step(model, cfg, inputs, step, dp_batches, sites, activations, captured):
@@ -305,7 +314,7 @@ def _reference_step(model, cfg, inputs, step, dp_batches, sites, activations, ca
     losses = []
     for d in range(dp_batches):
         store, handles = _capture(model, sites) if step == 0 and d == 0 else ({}, [])
-        loss = model(*_data(cfg, inputs, step, d))
+        loss, _ = _loss_and_returned(model(*_data(cfg, inputs, step, d)))
         for h in handles:
             h.remove()
         (loss.mean() / dp_batches).backward()
@@ -343,6 +352,8 @@ def _compare(setting: str, ref: dict, got: dict, tol: float, atol: float) -> lis
     rows = [_row(setting, "loss (every step)", got["loss"], ref["loss"], tol, atol)]
     if ref["logits"] is not None and got["logits"] is not None:
         rows.append(_row(setting, "logits", got["logits"], ref["logits"], tol, atol))
+    for i, (r, g) in enumerate(zip(ref.get("returned", []), got.get("returned", []))):
+        rows.append(_row(setting, f"returned value {i + 1} (as the model returns it)", g, r, tol, atol))
     rows.append(_compare_activations(setting, ref["activations"], got["activations"], tol, atol))
     for what in ("grads", "weights"):
         worst, first_bad, abs_max = 0.0, None, 0.0
@@ -405,7 +416,7 @@ def _mask_losses(model, cfg, inputs) -> torch.Tensor:
     """Per-token losses [draws, b, s] of one batch under `mask_draws` independent dropout masks."""
     batch = _data(cfg, inputs, 0)
     with torch.no_grad():
-        return torch.stack([model(*batch) for _ in range(cfg.mask_draws)])
+        return torch.stack([_loss_and_returned(model(*batch))[0] for _ in range(cfg.mask_draws)])
 
 
 def _statistical_row(setting: str, ref: torch.Tensor, got: torch.Tensor) -> Row:

@@ -30,10 +30,12 @@ from .throughput import SavedActivations, tensor_bytes
 # -- forward steps, one per model type -----------------------------------------------------------------
 
 def lm_forward_step(model, batch) -> torch.Tensor:
-    """A language model whose forward(tokens, labels) returns the per-token loss [b, s]: the
-    micro-batch loss is its mean (every token counts; windows have no padding)."""
+    """A language model whose forward(tokens, labels) returns the per-token loss [b, s] (or the
+    loss first and then other values, such as the logits): the micro-batch loss is its mean
+    (every token counts; windows have no padding)."""
     tokens, labels = batch
-    return model(tokens, labels).float().mean()
+    out = model(tokens, labels)
+    return (out[0] if isinstance(out, tuple) else out).float().mean()
 
 
 FORWARD_STEPS: dict[tuple, Callable] = {("tokens", "labels"): lm_forward_step}

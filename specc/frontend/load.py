@@ -333,8 +333,10 @@ class _Builder:
             for i, x in enumerate(value):
                 where = items.item_loc(i) if items is not None and len(items) == len(value) else loc
                 x = self._int(x, where, attr.name, evaluated=True)
-                if x < 1:
-                    raise SpecError(where, f"'{attr.name}' entries must be positive, got {x}")
+                low = 1 if attr.minimum is None else attr.minimum  # sizes by default; an op may allow 0
+                if x < low:
+                    raise SpecError(where, f"'{attr.name}' entries must be {'positive' if low == 1 else f'at least {low}'}, "
+                                    f"got {x}")
                 out.append(x)
             value = tuple(out)
         if attr.minimum is not None and isinstance(value, (int, float)) and value < attr.minimum:
@@ -695,4 +697,4 @@ def _hf_permute(permute, loc: Loc, value) -> None:
     if not isinstance(sections, list) or not sections or any(
             isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sections):
         raise SpecError(permute.value_loc("sections"), "'permute.sections' must be a non-empty list of positive "
-                        f"integers, got {_clip(sections)!r}", PERMUTE_HINT)
+                        f"integers, got {_clip(sections)}", PERMUTE_HINT)

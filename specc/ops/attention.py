@@ -143,7 +143,7 @@ class CoreAttention(OpKind):
         Attr("causal", "bool", default=True),
         Attr("dropout", "float", default=0.0, minimum=0.0),
         Attr("window", "int", minimum=1, doc="sliding window: each query sees the `window` latest keys, itself included"),
-        Attr("window_pattern", "int_list", doc="per layer of the enclosing repeat, cycled: the window of layer i is "
+        Attr("window_pattern", "int_list", minimum=0, doc="per layer of the enclosing repeat, cycled: the window of layer i is "
              "window_pattern[i % len], 0 for full attention (Gemma 2: [4096, 0])"),
         Attr("scale", "float", minimum=0.0, doc="the score scale; default 1/sqrt(head_dim)"),
         Attr("softcap", "float", minimum=0.0, doc="scores become softcap * tanh(scores / softcap) (Gemma 2)"),
@@ -163,8 +163,6 @@ class CoreAttention(OpKind):
         need_divisible(self.kv_heads(attrs), ctx.tp, "num_kv_heads", locs.get("num_kv_heads", locs.get("num_heads")))
         if attrs.get("window") and attrs.get("window_pattern"):
             raise SpecError(locs.get("window_pattern"), "give window or window_pattern, not both")
-        if attrs.get("window_pattern") and any(w < 0 for w in attrs["window_pattern"]):
-            raise SpecError(locs.get("window_pattern"), "window_pattern entries are windows >= 1, or 0 for full attention")
         if ctx.cp > 1:
             for key in ("window", "window_pattern", "softcap"):
                 if attrs.get(key):

@@ -54,8 +54,14 @@ def test_the_shipped_mappings_load_and_are_inherited(tmp_path):
     ("  params: [{specc: a}]\n", "child.yaml:4:12: error: 'hf.params' entry is missing 'hf' (e.g. - {specc: "
      "embedding.weight, hf: model.embed_tokens.weight})"),
     ("  params: [{specc: a, hf: b, flip: true}]\n",
-     "child.yaml:4:30: error: unknown key 'flip' in an 'hf.params' entry (expected one of: hf, rotary, specc, "
-     "transpose)"),
+     "child.yaml:4:30: error: unknown key 'flip' in an 'hf.params' entry (expected one of: hf, permute, rotary, "
+     "specc, transpose)"),
+    ("  params: [{specc: a, hf: b, permute: {groups: 2}}]\n",
+     "child.yaml:4:39: error: 'permute' is missing 'sections' (e.g. permute: {groups: ${num_attention_heads}, "
+     "sections: [${head_dim}, ${head_dim}, ${head_dim}]})"),
+    ("  params: [{specc: a, hf: b, permute: {groups: 2, sections: [4, x]}}]\n",
+     "child.yaml:4:61: error: 'permute.sections' must be a non-empty list of positive integers, got [4, 'x'] "
+     "(e.g. permute: {groups: ${num_attention_heads}, sections: [${head_dim}, ${head_dim}, ${head_dim}]})"),
     ("  params: [{specc: 'layers.{j}.w', hf: b}]\n",
      "child.yaml:4:20: error: the specc name 'layers.{j}.w' has a placeholder other than {i} ({i} stands for a "
      "layer index, e.g. layers.{i}.mlp.linear_fc1.weight)"),
