@@ -29,7 +29,7 @@ class Embedding(OpKind):
         if attrs["parallel"] == "vocab":
             need_divisible(attrs["num_embeddings"], ctx.tp, "num_embeddings", locs.get("num_embeddings"),
                            f"pad the vocabulary to a multiple of {ctx.tp}, as Megatron's --make-vocab-size-divisible-by "
-                           "does (or parallel: none for a small table)")
+                           "does; a small table may use parallel: none")
 
     def weights(self, attrs):
         shard = 0 if attrs["parallel"] == "vocab" else None

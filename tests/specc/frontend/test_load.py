@@ -213,7 +213,7 @@ def test_the_spec_model(load):
     assert (spec.name, spec.description, spec.root, spec.hf) == ("tiny", "a test", "Model", {"architecture": "Foo"})
     emb = spec.modules["Model"].submodules["embedding"]
     assert emb.op == "embedding" and emb.impl == "auto"
-    assert emb.attrs == {"num_embeddings": 256, "embedding_dim": 64, "init_std": 0.02}
+    assert emb.attrs == {"num_embeddings": 256, "embedding_dim": 64, "init_std": 0.02, "parallel": "vocab"}
     assert emb.attr_locs["embedding_dim"].line == 15
     assert emb.name_loc.line == 15 and emb.name_loc.col == 7
     assert spec.settings == Settings()
