@@ -224,12 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("diff", help="compare two plans (specs with their own flags, or saved plan.json files); "
                        "exit 1 when they differ",
-                       description="Each side is a spec or a plan.json. Flags for a side follow it in quotes: "
-                       "specc diff specs/gpt.yaml specs/gpt.yaml --b-flags '--tp 2 --sp'")
+                       description="Each side is a spec, a plan.json or a generated folder. A spec side's flags "
+                       "go in one quoted word: specc diff specs/gpt.yaml specs/gpt.yaml --a-flags '--tp 1' "
+                       "--b-flags '--tp 2 --sp'. Prints one line per changed field (settings, each op's "
+                       "layouts, collectives, weight shapes, saved bytes, notes) and the changed totals, "
+                       "gradient-sync all-reduces included.")
     c.add_argument("a", metavar="A")
     c.add_argument("b", metavar="B")
-    c.add_argument("--a-flags", default="", metavar="FLAGS", help="flags for side A, e.g. '--tp 2'")
-    c.add_argument("--b-flags", default="", metavar="FLAGS", help="flags for side B")
+    c.add_argument("--a-flags", default="", metavar="FLAGS", help="flags for side A, one quoted word, e.g. '--tp 2 --sp'")
+    c.add_argument("--b-flags", default="", metavar="FLAGS", help="flags for side B, one quoted word")
     c.set_defaults(func=cmd_diff)
 
     c = sub.add_parser("graph", help="write the op graph as Graphviz dot (and SVG when `dot` is installed)")
@@ -295,8 +298,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _join_side_flags(argv: list) -> list:
+    """`--a-flags '--sp'` as `--a-flags=--sp`: argparse would read a lone `--sp` value as an option."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in ("--a-flags", "--b-flags") and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = _join_side_flags(list(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
     except UsageError as e:

@@ -71,6 +71,38 @@ def _describe(op: dict) -> str:
             f"fwd {_colls(op['forward'])}; bwd {_colls(op['backward'])}" + (f" x{op['count']}" if op["count"] > 1 else ""))
 
 
+def _shapes(weights) -> str:
+    return ", ".join(f"{n} [{'x'.join(str(d) for d in shape)}]" for n, shape in sorted((weights or {}).items())) or "-"
+
+
+_FIELDS = (  # (plan.json key, label, how to print it): the fields a changed op line names
+    ("kind", "kind", str),
+    ("impl", "impl", str),
+    ("layouts_in", "in", lambda v: ",".join(v)),
+    ("layouts_out", "out", lambda v: ",".join(v)),
+    ("forward", "fwd", _colls),
+    ("backward", "bwd", _colls),
+    ("count", "count", str),
+    ("weights", "weights", _shapes),
+    ("saved_bytes", "saved", lambda v: human_bytes(v or 0)),
+    ("notes", "notes", lambda v: "; ".join(v or []) or "-"),
+)
+
+
+def _op_changes(name: str, oa: dict, ob: dict) -> list:
+    """One `~` line per changed field, naming it, e.g. `~ attn.qkv: weights weight [96x32] -> weight [48x32]`."""
+    out = []
+    for key, label, show in _FIELDS:
+        x, y = oa.get(key), ob.get(key)
+        if x == y:
+            continue
+        sx, sy = show(x), show(y)
+        if sx == sy:  # e.g. saved bytes that round to the same human size: print the exact values
+            sx, sy = json.dumps(x, sort_keys=True), json.dumps(y, sort_keys=True)
+        out.append(f"  ~ {name}: {label} {sx} -> {sy}")
+    return out
+
+
 def diff_plans(a: dict, b: dict):
     lines = [f"--- {a['_label']}", f"+++ {b['_label']}"]
     sa, sb = a.get("settings", {}), b.get("settings", {})
@@ -87,10 +119,7 @@ def diff_plans(a: dict, b: dict):
         elif ob is None:
             op_lines.append(f"  - {name}: {_describe(oa)}")
         else:
-            fields = ("impl", "layouts_in", "layouts_out", "forward", "backward", "count", "saved_bytes")
-            if any(oa.get(f) != ob.get(f) for f in fields):
-                op_lines.append(f"  ~ {name}: {_describe(oa)}")
-                op_lines.append(f"  {' ' * len(name)}  => {_describe(ob)}")
+            op_lines += _op_changes(name, oa, ob)
     if op_lines:
         lines.append("ops:")
         lines += op_lines
@@ -112,6 +141,12 @@ def _totals(ta: dict, tb: dict) -> list:
         if x != y:
             out.append(f"  {kind}: {x['count']} x {human_bytes(x['bytes'])} -> {y['count']} x {human_bytes(y['bytes'])}"
                        f" ({_signed(y['bytes'] - x['bytes'])})")
+    ga, gb = ta.get("grad_sync", {}), tb.get("grad_sync", {})
+    for kind in sorted(set(ga) | set(gb)):
+        x, y = ga.get(kind, {"count": 0, "bytes": 0}), gb.get(kind, {"count": 0, "bytes": 0})
+        if x != y:
+            out.append(f"  grad sync {kind}: {x['count']} x {human_bytes(x['bytes'])} -> {y['count']} x "
+                       f"{human_bytes(y['bytes'])} ({_signed(y['bytes'] - x['bytes'])}, once per step)")
     labels = {"parameter_bytes": "parameters", "gradient_bytes": "gradients", "optimizer_bytes": "optimizer state",
               "activation_bytes": "activations"}
     for key, label in labels.items():
