@@ -316,7 +316,7 @@ def main(argv=None) -> int:
     argv = _join_side_flags(list(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
-    except UsageError as e:
+    except (SpecError, UsageError) as e:  # SpecError: the spec's megatron: block, read while parsing flags
         print(e.format(), file=sys.stderr)
         return 2
     try:

@@ -34,7 +34,7 @@ def apply_spec_flags(ns, extras: list, prog: str) -> list:
         try:
             declared = read_megatron(spec)
         except SpecError as e:  # the spec's own mistake, located in it
-            raise UsageError(prog, e.format().removeprefix("error: "), "fix the spec's megatron: block") from None
+            raise SpecError(e.loc, e.what, e.hint or "fix the spec's megatron: block") from None
     others = None  # the shipped specs' declarations, read only when needed
     overrides = getattr(ns, SPEC_FLAG_OVERRIDES, [])
     left = []

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from ..args import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError, recompute_flags
+from ..errors import SpecError
 from .data import add_tokenizer_arguments
 
 LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
@@ -185,6 +186,6 @@ class _RankParser(ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         try:
             return super().parse_args(args, namespace)
-        except UsageError as e:
+        except (SpecError, UsageError) as e:  # SpecError: the spec's megatron: block
             print(e.format(), file=sys.stderr)
             raise SystemExit(2) from None

@@ -108,5 +108,7 @@ def test_a_broken_block_is_a_located_error(capsys, tmp_path, block, error):
     spec.write_text(f"extends: {os.path.join(ROOT, 'specs', 'gpt-tiny.yaml')}\nname: s\n{block}\n")
     assert main(["validate", str(spec)]) == 2
     assert capsys.readouterr().err == f"{spec}:{error}\n"
-    assert main(["plan", str(spec), "--swiglu"]) == 2  # reading the flags reports it too, in one line
-    assert capsys.readouterr().err.startswith(f"error: {spec}:{error}")
+    for command in (["plan"], ["train", "--mock-data"]):  # reading the flags reports it too, located, in one line
+        assert main([*command, str(spec), "--swiglu"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"{spec}:{error}") and err.count("\n") == 1 and err.count("error:") == 1, err
