@@ -327,7 +327,11 @@ def data_rules(cfg: TrainConfig, model_config: dict) -> list:
             errors.append(f"--eval-iters {cfg.eval_iters} evaluates on the valid split: give --valid-data-path "
                           "PREFIX, or --eval-iters 0")
             continue
+        seen = set()
         for _, corpus in sources[name if per_split is not None else None]:
+            if corpus.prefix in seen:  # a blend may name one prefix twice: one error for it
+                continue
+            seen.add(corpus.prefix)
             first, end = (0, corpus.num_documents) if per_split is not None else \
                 split_documents(corpus.num_documents, split_weights(cfg.data.split))[name]
             tokens = int(corpus.document_lengths[first:end].sum())

@@ -263,7 +263,8 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"--make-vocab-size-divisible-by must be at least 1, got {cfg.data.make_vocab_size_divisible_by}")
     per_split = [cfg.data.train_data_path, cfg.data.valid_data_path, cfg.data.test_data_path]
     if cfg.data.mock_data and (cfg.data.data_path is not None or any(p is not None for p in per_split)):
-        errors.append("--mock-data and --data-path: give one (mock data reads no files)")
+        given = "--data-path" if cfg.data.data_path is not None else "--train-data-path/--valid-data-path/--test-data-path"
+        errors.append(f"--mock-data and {given}: give one (mock data reads no files)")
     elif cfg.data.data_path is not None and any(p is not None for p in per_split):
         errors.append("--data-path and --train-data-path/--valid-data-path/--test-data-path: give one (--data-path "
                       "is split by --split; the others are a dataset per split)")

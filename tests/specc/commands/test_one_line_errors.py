@@ -99,6 +99,8 @@ def test_data_path_mistakes(specc, train, corpus, tmp_path):
     _one_line(train(data=None, extra=("--data-path", "0.3", corpus, corpus, "0.7")),
               "error: --data-path: blend weight")
     _one_line(train("--mock-data"), "error: --mock-data and --data-path: give one")
+    _one_line(train("--mock-data", data=None, extra=("--train-data-path", corpus)),
+              "error: --mock-data and --train-data-path/--valid-data-path/--test-data-path: give one")
     _one_line(train("--train-data-path", corpus), "error: --data-path and --train-data-path/--valid-data-path/"
               "--test-data-path: give one")
     _one_line(specc("train", GPT_TINY, "--train-data-path", corpus, "--eval-iters", "1", "--run-dir", tmp_path / "no"),
