@@ -37,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from benchdoc import replace_section  # noqa: E402
 from train_step import (  # noqa: E402
     SavedBytes,
     add_model_arguments,
@@ -177,18 +178,8 @@ def main(argv=None) -> int:
 
 def write_section(path, shape, text, elapsed):
     """Replace this benchmark's section of docs/benchmarks.md (or append it); the rest stays."""
-    section = SECTION.format(heading=HEADING, shape=shape, table=text, machine=machine_line(), elapsed=elapsed,
-                             date=datetime.date.today().isoformat())
-    with open(path, encoding="utf-8") as f:
-        doc = f.read()
-    at = doc.find(HEADING)
-    if at < 0:
-        doc = doc.rstrip("\n") + "\n\n" + section
-    else:
-        end = doc.find("\n## ", at + len(HEADING))
-        doc = doc[:at] + section + (doc[end + 1:] if end >= 0 else "")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(doc)
+    replace_section(path, SECTION.format(heading=HEADING, shape=shape, table=text, machine=machine_line(),
+                                         elapsed=elapsed, date=datetime.date.today().isoformat()))
 
 
 SECTION = """{heading}

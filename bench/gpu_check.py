@@ -35,6 +35,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchdoc import replace_section  # noqa: E402
 
 SECTION = "## GPU check"
 TINY_SPECS = ("specs/gpt-tiny.yaml", "specs/llama-tiny.yaml")
@@ -307,17 +310,8 @@ def render(machine: Machine, results: list, elapsed: float, date: str) -> str:
 
 def write_section(path: str, section: str) -> None:
     """Replace (or append) the GPU check section of docs/benchmarks.md, leaving the others."""
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmarks\n"
-    start = text.find("\n" + SECTION + "\n")
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[:start + 1] + section + (text[end:] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    assert section.startswith(SECTION + "\n"), section[:40]
+    replace_section(path, section)
 
 
 def _key_value(text: str) -> tuple:

@@ -43,6 +43,7 @@ MEGATRON = os.path.join(ROOT, "bench", ".megatron")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+from benchdoc import replace_section  # noqa: E402
 from train_step import (  # noqa: E402
     Runner,
     compiled_loss,
@@ -305,21 +306,6 @@ Model: {shape}. FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak measu
 """
 
 
-def write_doc(path: str, section: str) -> None:
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmarks\n"
-    title = section.splitlines()[0]
-    start = text.find("\n" + title + "\n")
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[:start + 1] + section + (text[end:] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
@@ -365,7 +351,7 @@ def main(argv=None) -> int:
             return 1
     if not cfg.no_write:
         peak = min(r["peak_gflops"] for r in results.values())
-        write_doc(cfg.output, DOC.format(date=datetime.date.today().isoformat(), machine=machine_line(),
+        replace_section(cfg.output, DOC.format(date=datetime.date.today().isoformat(), machine=machine_line(),
                                          elapsed=elapsed, shape=shape, flops=flops, peak=peak, table=text,
                                          rounds=cfg.rounds))
         print(f"wrote {cfg.output}")
