@@ -1,4 +1,5 @@
-"""`specc plot RUN_DIR`: loss and throughput curves of a training run, as a PNG."""
+"""`specc plot RUN_DIR`: a training run's loss beside its throughput, learning rate, grad norm, TFLOP/s,
+MFU and memory curves (each panel only when metrics.jsonl records it), as a PNG."""
 
 from __future__ import annotations
 
@@ -46,6 +47,27 @@ def _smooth(values, window):
     return out
 
 
+# The panels beside the loss: (metrics.jsonl key, y label, colour, scale). A panel whose key no train
+# record holds (or holds only as null) is left out.
+PANELS = (
+    ("tokens_per_s", "tokens / s (global)", "tab:green", 1.0),
+    ("lr", "learning rate", "tab:purple", 1.0),
+    ("grad_norm", "grad norm", "tab:red", 1.0),
+    ("tflops_per_rank", "TFLOP/s per rank", "tab:brown", 1.0),
+    ("mfu", "MFU (%)", "tab:pink", 100.0),
+    ("memory_mb", "max memory (MB)", "tab:gray", 1.0),
+)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def panels_of(train) -> list:
+    """The metric panels this run has data for, in PANELS order (the loss panel is always drawn first)."""
+    return [p for p in PANELS if any(_finite(r.get(p[0])) for r in train)]
+
+
 def plot_run(run_dir: str, output: str) -> str:
     import matplotlib
 
@@ -55,9 +77,13 @@ def plot_run(run_dir: str, output: str) -> str:
     train, evals = read_metrics(run_dir)
     its = [r["iteration"] for r in train]
     loss = [r["loss"] for r in train]
-    tps = [r.get("tokens_per_s") for r in train]
     window = max(1, len(train) // 50)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    panels = panels_of(train)
+    cols = 2 if panels else 1
+    rows = math.ceil((1 + len(panels)) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows), sharex=True, squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    ax1 = flat[0]
     ax1.plot(its, loss, color="tab:blue", alpha=0.3, linewidth=0.8, label="train loss")
     smooth = _smooth(loss, window)
     ax1.plot(its, smooth, color="tab:blue", linewidth=1.5, label=f"train loss (mean of {window})")
@@ -66,19 +92,29 @@ def plot_run(run_dir: str, output: str) -> str:
                  label="validation loss")
     ax1.set_ylabel("loss (nats/token)")
     ax1.set_title(f"{os.path.basename(os.path.abspath(run_dir))}: train loss {loss[0]:.3f} -> {smooth[-1]:.3f} "
-                  f"(last {window} mean) in {its[-1]} iterations")
+                  f"(last {window} mean) in {its[-1]} iterations", fontsize=9)
     ax1.grid(alpha=0.3)
-    ax1.legend()
-    ax2.plot(its, [t if t is not None else float("nan") for t in tps], color="tab:green", alpha=0.3, linewidth=0.8)
-    ax2.plot(its, _smooth(tps, window), color="tab:green", linewidth=1.5)
-    ax2.set_ylabel("tokens / s (global)")
-    ax2.set_xlabel("iteration")
-    ax2.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    for ax, (key, label, colour, scale) in zip(flat[1:], panels):
+        values = [r.get(key) * scale if _finite(r.get(key)) else float("nan") for r in train]
+        ax.plot(its, values, color=colour, alpha=0.3, linewidth=0.8)
+        ax.plot(its, _smooth(values, window), color=colour, linewidth=1.5)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    for ax in flat[1 + len(panels):]:
+        ax.set_visible(False)
+    for ax in flat[-cols:]:
+        ax.set_xlabel("iteration")
+        ax.xaxis.set_tick_params(labelbottom=True)
     fig.tight_layout()
     tmp = output + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, output)
+    try:
+        fig.savefig(tmp, dpi=100, metadata={"Software": None})
+        os.replace(tmp, output)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return output
 
 
@@ -99,7 +135,8 @@ def cmd_plot(args) -> int:
 
 
 def add_parsers(sub) -> None:
-    c = sub.add_parser("plot", help="draw a training run's loss and throughput curves to a PNG")
+    c = sub.add_parser("plot", help="draw a training run's loss, throughput, learning rate, grad norm, TFLOP/s, MFU and memory "
+                       "curves to a PNG (a panel only for the metrics the run recorded)")
     c.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a `specc train` run")
     c.add_argument("-o", "--output", default=None, metavar="PNG", help="default RUN_DIR/loss.png")
     c.set_defaults(func=cmd_plot)
