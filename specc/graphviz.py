@@ -1,5 +1,6 @@
 """The op graph as Graphviz dot: ops as boxes, boundaries as orange diamonds naming their
-collective, edges labelled with layouts, one cluster per module instance."""
+collective, edges labelled with layouts, one cluster per module instance, each submodule's cluster
+nested inside its parent's."""
 
 from __future__ import annotations
 
@@ -24,27 +25,57 @@ def to_dot(graph) -> str:
     for vid in graph.inputs:
         lines.append(f"  {_q('input:' + vid)} [shape=oval, label={_q(vid)}];")
     by_scope: dict = {}
+    order: list = []  # scopes, each after its ancestors, in the order their first op appears
     for op in graph.iter_ops():
         by_scope.setdefault(op.scope, []).append(op)
-    for n, (scope, ops) in enumerate(by_scope.items()):
-        indent = "  "
+        parts = op.scope.split(".") if op.scope else []
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if prefix not in order and (prefix in graph.scopes or prefix == op.scope):
+                order.append(prefix)
+    known = set(order)
+
+    def parent_of(scope: str) -> str:
+        parts = scope.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            if ".".join(parts[:i]) in known:
+                return ".".join(parts[:i])
+        return ""
+
+    children: dict = {}
+    for scope in order:
+        children.setdefault(parent_of(scope), []).append(scope)
+    counter = [0]
+
+    def emit(scope: str, indent: str) -> None:
         if scope:
-            lines.append(f"  subgraph {_q('cluster_' + str(n))} {{")
-            lines.append(f"    label={_q(scope + ' (' + graph.scopes.get(scope, '') + ')')}; style=rounded; color=gray;")
-            indent = "    "
-        for op in ops:
-            kind = OPS[op.kind]
-            if kind.converts():
-                b = kind.boundary(op)
-                label = f"{b.label}\n{b.function}\nfwd {b.forward or 'identity'} / bwd {b.backward or 'identity'}"
-                lines.append(f"{indent}{_q(op.id)} [shape=diamond, style=filled, fillcolor=orange, label={_q(label)}];")
-            else:
-                extra = "".join(f"\n+ {a.boundary.function}" for a in op.absorbed)
-                label = f"{op.local_name}\n{op.kind} [{op.impl}]{extra}"
-                fill = "lightyellow" if op.absorbed else "white"
-                lines.append(f"{indent}{_q(op.id)} [shape=box, style=filled, fillcolor={fill}, label={_q(label)}];")
+            parent = parent_of(scope)
+            name = scope[len(parent) + 1:] if parent else scope
+            kind = graph.scopes.get(scope, "")
+            lines.append(f"{indent[:-2]}subgraph {_q('cluster_' + str(counter[0]))} {{")
+            counter[0] += 1
+            lines.append(f"{indent}label={_q(name + (' (' + kind + ')' if kind else ''))}; style=rounded; color=gray; "
+                         f"fontname=\"Helvetica\"; fontsize=9;")
+        for op in by_scope.get(scope, []):
+            _node(op, indent)
+        for child in children.get(scope, []):
+            emit(child, indent + "  ")
         if scope:
-            lines.append("  }")
+            lines.append(f"{indent[:-2]}}}")
+
+    def _node(op, indent: str) -> None:
+        kind = OPS[op.kind]
+        if kind.converts():
+            b = kind.boundary(op)
+            label = f"{b.label}\n{b.function}\nfwd {b.forward or 'identity'} / bwd {b.backward or 'identity'}"
+            lines.append(f"{indent}{_q(op.id)} [shape=diamond, style=filled, fillcolor=orange, label={_q(label)}];")
+        else:
+            extra = "".join(f"\n+ {a.boundary.function}" for a in op.absorbed)
+            label = f"{op.local_name}\n{op.kind} [{op.impl}]{extra}"
+            fill = "lightyellow" if op.absorbed else "white"
+            lines.append(f"{indent}{_q(op.id)} [shape=box, style=filled, fillcolor={fill}, label={_q(label)}];")
+
+    emit("", "  ")
     for op in graph.iter_ops():
         for vid in op.inputs:
             value = graph.values[vid]

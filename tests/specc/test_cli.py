@@ -67,6 +67,27 @@ def test_graph_writes_dot_with_distinct_boundaries(tmp_path, capsys):
     assert "reduce_scatter_to_sequence_parallel_region" in dot
 
 
+def test_graph_nests_submodules_inside_their_parent(tmp_path):
+    out, again = tmp_path / "g.dot", tmp_path / "h.dot"
+    spec = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
+    assert main(["graph", spec, "-o", str(out)]) == 0
+    assert main(["graph", spec, "-o", str(again)]) == 0
+    dot = out.read_text()
+    assert dot == again.read_text()  # deterministic
+    lines = dot.splitlines()
+    depth, inside = 0, {}
+    for ln in lines:  # the depth of cluster each labelled module sits in
+        if ln.lstrip().startswith(("subgraph ", "digraph ")):
+            depth += 1
+        elif ln.strip() == "}":
+            depth -= 1
+        elif ln.lstrip().startswith("label=") and "style=rounded" in ln:
+            inside.setdefault(ln.split('"')[1], set()).add(depth)
+    assert depth == 0  # every brace closed
+    assert inside["self_attention (SelfAttention)"] == {3} and inside["mlp (MLP)"] == {3}  # inside layers.N
+    assert dot.count('subgraph "cluster_') == len(set(ln for ln in lines if 'subgraph "cluster_' in ln))
+
+
 def test_schema_lists_every_op(capsys):
     import json
 
