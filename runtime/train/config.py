@@ -190,7 +190,9 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
                       f"{model_parallel} (world = TP*CP*DP*PP)")
     elif not errors:
         par.dp = world_size // model_parallel
-        if par.ep < 1 or par.dp % par.ep:
+        if par.ep < 1:
+            errors.append(f"--expert-model-parallel-size must be at least 1, got {par.ep}")
+        elif par.dp % par.ep:
             errors.append(f"--expert-model-parallel-size {par.ep} must divide the data-parallel size {par.dp} "
                           f"(expert parallelism is carved out of the data-parallel ranks: world = TP*CP*DP*PP)")
         elif par.ep > 1 and par.cp > 1:

@@ -206,3 +206,12 @@ def test_check_of_a_broken_generated_folder(capsys, tmp_path, model, starts):
     path.write_bytes(model if isinstance(model, bytes) else model.encode())
     err = _one_line(capsys, ["check", tmp_path / "generated"], f"{path}{starts[len('model.py'):]}")
     assert err.endswith("(recompile it with `specc compile`)")
+
+
+def test_expert_parallelism_on_a_spec_without_experts_is_one_line():
+    r = run("plan", "specs/gpt-tiny.yaml", "--ep", "2")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == ("--expert-model-parallel-size 2: error: this spec has no expert weights to split over "
+                                "expert-parallel ranks (drop --expert-model-parallel-size, or use a mixture-of-experts "
+                                "spec (docs/moe.md))")
+    assert run("plan", "specs/mixtral-tiny.yaml", "--ep", "2").returncode == 0

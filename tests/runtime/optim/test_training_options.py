@@ -265,3 +265,14 @@ def test_the_plan_says_its_dtype_and_train_compiles_at_the_dtype_it_runs():
     for flags, dtype in (([], "fp32"), (["--bf16"], "bf16"), (["--fp16"], "fp16")):
         cfg = config_from_args(build_parser().parse_args(["train", spec, *flags]))
         assert compile_model(cfg)[1].settings.dtype == dtype  # the run's plan is sized at its own dtype
+
+
+def test_expert_parallel_size_rules_are_one_line_each():
+    from runtime.train.config import TrainConfig, resolve
+
+    for ep, expected in ((0, "--expert-model-parallel-size must be at least 1, got 0"),
+                         (3, "--expert-model-parallel-size 3 must divide the data-parallel size 2")):
+        cfg = TrainConfig(spec="specs/gpt-tiny.yaml")
+        cfg.parallel.ep = ep
+        errors = resolve(cfg, 2)
+        assert len(errors) == 1 and errors[0].startswith(expected), errors
