@@ -356,19 +356,8 @@ def _compare(setting: str, ref: dict, got: dict, tol: float, atol: float) -> lis
         rows.append(_row(setting, f"returned value {i + 1} (as the model returns it)", g, r, tol, atol))
     rows.append(_compare_activations(setting, ref["activations"], got["activations"], tol, atol))
     for what in ("grads", "weights"):
-        worst, first_bad, abs_max = 0.0, None, 0.0
-        for name, r in ref[what].items():
-            g = got[what].get(name)
-            if g is None or g.shape != r.shape:
-                first_bad = first_bad or f"{name} (missing or shape {None if g is None else tuple(g.shape)} != {tuple(r.shape)})"
-                worst = float("inf")
-                continue
-            a, rel = _errors(g, r)
-            abs_max, worst = max(abs_max, a), max(worst, rel)
-            if not _close(g, r, tol, atol) and first_bad is None:
-                first_bad = f"first diverging parameter: {name} (abs err {a:.2e}, rel err {rel:.2e})"
         label = "gradients (all params)" if what == "grads" else f"weights after {ref['loss'].shape[0]} SGD steps"
-        rows.append(Row(setting, label, abs_max, worst, first_bad is None, first_bad or ""))
+        rows.append(_compare_named(setting, label, ref[what], got[what], tol, atol, passed_detail=""))
     return rows
 
 
@@ -646,7 +635,9 @@ def _collect(model, pg, what, init_name, is_tied_copy) -> dict:
     return dict(sorted(out.items()))
 
 
-def _compare_named(setting, label, ref: dict, got: dict, tol, atol) -> Row:
+def _compare_named(setting, label, ref: dict, got: dict, tol, atol, passed_detail: str | None = None) -> Row:
+    """One row for a set of named tensors (gradients, weights): the worst error and the first
+    tensor that diverges; when all pass, `passed_detail` (default: how many were compared)."""
     worst, first_bad, abs_max = 0.0, None, 0.0
     for name, r in ref.items():
         g = got.get(name)
@@ -658,7 +649,8 @@ def _compare_named(setting, label, ref: dict, got: dict, tol, atol) -> Row:
         abs_max, worst = max(abs_max, a), max(worst, rel)
         if not _close(g, r, tol, atol) and first_bad is None:
             first_bad = f"first diverging parameter: {name} (abs err {a:.2e}, rel err {rel:.2e})"
-    return Row(setting, label, abs_max, worst, first_bad is None, first_bad or f"{len(ref)} tensors")
+    done = f"{len(ref)} tensors" if passed_detail is None else passed_detail
+    return Row(setting, label, abs_max, worst, first_bad is None, first_bad or done)
 
 
 def _settings(cfg: VerifyConfig) -> list:
