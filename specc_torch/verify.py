@@ -266,8 +266,10 @@ def _run(model, pg, cfg, inputs, logits_path, logits_site, sites, dp_batches: in
         module = model.get_submodule(logits_path)
         module.register_forward_hook(lambda m, i, o: captured.__setitem__("logits", o.detach()))
     # SGD, not Adam: Adam divides by sqrt(v) and so blows float noise in gradients that are zero in
-    # exact arithmetic (the key bias: softmax ignores it) up to lr-sized steps on either side
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    # exact arithmetic (the key bias: softmax ignores it) up to lr-sized steps on either side.
+    # Written out (torch.optim.SGD's update without momentum: p -= lr * grad) because the first
+    # torch.optim optimizer of a process imports torch._dynamo, seconds on every rank.
+    params = list(model.parameters())
     losses, grads, counts = [], None, None
     activations, returned = {}, []
     for step in range(cfg.steps):
@@ -298,8 +300,11 @@ def _run(model, pg, cfg, inputs, logits_path, logits_site, sites, dp_batches: in
             if logits is not None:
                 logits = _full_activation(logits, logits_site, pg)
         losses.append(loss.detach().clone())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-cfg.lr)
+                    p.grad = None
     weights = {n: gather_full(p, p, pg.tp, pg.ep) for n, p in model.named_parameters()}
     return {"loss": torch.stack(losses), "logits": logits, "grads": grads, "weights": weights, "counts": counts,
             "activations": activations, "returned": returned}
@@ -496,11 +501,15 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
             for prefix, randomized in WEIGHTS:
                 model = build(text, spec_t.name, pg, randomized)
                 if statistical:
-                    row = _statistical_row(setting, reference(prefix, randomized, 1), _mask_losses(model, cfg, inputs))
-                    rows.append(replace(row, quantity=prefix + row.quantity))
+                    got = _mask_losses(model, cfg, inputs)
+                    if rank == 0:
+                        row = _statistical_row(setting, reference(prefix, randomized, 1), got)
+                        rows.append(replace(row, quantity=prefix + row.quantity))
                     continue
                 path_t, layout_t = _logits_module(graph_t)
                 got = _run(model, pg, cfg, inputs, path_t, layout_t, _activation_sites(graph_t))
+                if rank != 0:
+                    continue  # only rank 0 reports: the others skip the reference and the comparisons
                 rows += [replace(r, quantity=prefix + r.quantity)
                          for r in _compare(setting, reference(prefix, randomized, dp_batches), got, cfg.tolerance,
                                            cfg.atol)]
@@ -563,6 +572,8 @@ def _verify_pipeline(cfg: VerifyConfig, reference, spec, inputs, build) -> list:
             for prefix, randomized in WEIGHTS:
                 model = build(text, spec_t.name, pg, randomized)
                 got = _run_pipeline(model, pg, cfg, names, inputs)
+                if dist.get_rank() != 0:
+                    continue  # only rank 0 reports
                 ref = reference(prefix, randomized, 1)  # the PP=1 model on the whole batch
                 want = {"loss": ref["loss"].double().mean(dim=tuple(range(1, ref["loss"].dim()))),
                         "grads": dict(ref["grads"]), "weights": dict(ref["weights"])}
@@ -714,7 +725,11 @@ def _free_port() -> int:
 def verify(cfg: VerifyConfig, timeout_s: float = 600) -> list:
     """Run every setting on max(tps) gloo ranks; the comparison rows (from rank 0)."""
     world = world_size(cfg)
-    ctx = mp.get_context("spawn")
+    # forkserver, not spawn: the server imports torch and this module once, and every rank is a
+    # fork of it (a fresh interpreter per rank spent seconds importing torch again, world times);
+    # the server itself never runs a torch op, so its forks start clean (no threads, no state)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, results), daemon=True) for r in range(world)]
