@@ -15,3 +15,7 @@ def gloo():
     pools = DistPools()
     yield pools
     pools.close()
+
+
+# verify_cli.run_verify: `specc verify` inside the test process, importable by name in the tests here
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))

@@ -7,8 +7,6 @@ with and without SP; and what context parallelism refuses, located."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -20,8 +18,9 @@ SPEC = "tests/specc_torch/specs/attention-variants-tiny.yaml"
 
 
 def test_every_variant_verifies_at_tp_1_2_4_and_returns_the_logits():
-    result = subprocess.run([sys.executable, "-m", "specc", "verify", SPEC, "--tp", "1,2,4", "--sp", "both"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    from verify_cli import run_verify
+
+    result = run_verify(SPEC, "--tp", "1,2,4", "--sp", "both")
     assert result.returncode == 0, result.stdout + result.stderr
     for setting in ("tp=2 sp=off", "tp=2 sp=on", "tp=4 sp=off", "tp=4 sp=on"):
         rows = [ln for ln in result.stdout.splitlines() if ln.startswith(setting)]

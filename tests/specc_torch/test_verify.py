@@ -4,19 +4,8 @@ deliberately broken module fails and the report names what diverged."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-
-
-def verify(*args):
-    return subprocess.run([sys.executable, "-m", "specc", "verify", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-
+from verify_cli import run_verify as verify  # `specc verify ARGS` from the repository root, in this process
 
 # the parallel block with row-parallel biases, added to the partial sums on one rank
 BIASES = ["--set", "modules.SelfAttention.submodules.linear_proj.bias=true",

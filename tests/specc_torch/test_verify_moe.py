@@ -7,16 +7,15 @@ from randomized weights; dropless routing is exact; the all-to-alls counted equa
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def test_moe_spec_verifies_at_ep_1_2_and_tp_1_2():
-    result = subprocess.run([sys.executable, "-m", "specc", "verify", "specs/qwen2-moe-tiny.yaml", "--tp", "1,2",
-                             "--ep", "1,2", "--sp", "both", "--set", "moe_z_loss_coeff=0.001", "--steps", "1"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    from verify_cli import run_verify
+
+    result = run_verify("specs/qwen2-moe-tiny.yaml", "--tp", "1,2", "--ep", "1,2", "--sp", "both", "--set",
+                        "moe_z_loss_coeff=0.001", "--steps", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     # 4 ranks: DP 4 at TP 1, 2 at TP 2 (EP 4 x TP 1, 2 takes 8 ranks and a minute here: docs/moe.md shows that run)
