@@ -40,11 +40,12 @@ def _rope_key(key: str, scalings: tuple = ()):
 
 def _windows(config, n):
     """Per layer: Hugging Face's sliding_window where layer_types says sliding_attention (or
-    everywhere without layer_types), none where it says full_attention or use_sliding_window is off."""
+    everywhere without layer_types), none where it says full_attention or use_sliding_window is off;
+    another layer type (chunked attention...) is asked for by its name, which no op models."""
     window = config.get("sliding_window")
     types = config.get("layer_types")
     if isinstance(types, list) and len(types) == n:
-        return [window if t == "sliding_attention" else None for t in types]
+        return [window if t == "sliding_attention" else None if t == "full_attention" else t for t in types]
     if config.get("use_sliding_window") is False:
         return [None] * n
     return [window] * n if "sliding_window" in config else None
@@ -184,6 +185,14 @@ class CoreAttention(OpKind):
                    lambda a: a.get("scale") or a["head_dim"] ** -0.5),
             HFKnob("use_bidirectional_attention (causal)", bidirectional, lambda a: a["causal"]),
         )
+
+    def impl_unsupported(self, attrs, impl):
+        # runtime.CoreAttention wires flash-attn's and TransformerEngine's kernels for the plain
+        # causal or bidirectional softmax only
+        asked = [k for k in ("window", "window_pattern", "scale", "softcap") if attrs.get(k)]
+        if impl in ("flash", "te") and asked:
+            return f"is not wired for {', '.join(asked)} (the native path computes them)"
+        return ""
 
     def instance_attrs(self, attrs, layer, fail):
         if not attrs.get("window_pattern"):

@@ -56,12 +56,15 @@ class HFKnob:
     """A Hugging Face config key whose behaviour an op kind models. `requested(config, n)` reads
     what config.json asks of the model's n ops of this kind (a list, one per op in execution
     order), or None when config.json does not say; `modeled(attrs)` is what one op does. `any`:
-    one value for the whole model, true when any op has it (a tied output layer)."""
+    one value for the whole model (`requested` gives a list of one: a null in config.json is a
+    request too), which every op that has one (a truthy `modeled`) must match, `absent` when no op
+    has one (a tied output layer; a soft cap on the logits)."""
 
     key: str
     requested: object
     modeled: object
     any: bool = False
+    absent: object = False
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..errors import SpecError
-from .base import Attr, LayoutRule, OpKind, numel
+from .base import Attr, HFKnob, LayoutRule, OpKind, numel
 
 _NOT_P = ("I", "R", "S(s)", "S(h)")
 
@@ -208,6 +208,13 @@ class Softcap(_Activation):
 
     def saved_bytes(self, node, local_in, local_out, elt):
         return [(node.outputs[0], numel(local_out[0]) * elt)]  # tanh's backward reads its output
+
+    def hf_knobs(self):
+        # Hugging Face caps only the final logits with this (Gemma 2): a config's cap, or its null,
+        # must be what the model's soft caps do; without any, none
+        key = "final_logit_softcapping"
+        return (HFKnob(key, lambda config, n: [config[key]] if key in config else None,
+                       lambda a: a["cap"], any=True, absent=None),)
 
     def call(self, node, args, ctx):
         return f"runtime.softcap({args[0]}, {float(node.attrs['cap'])!r})"

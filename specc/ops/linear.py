@@ -84,7 +84,8 @@ class Linear(OpKind):
 
     def hf_knobs(self):
         # whether the output layer shares the word embedding's weight
-        return (HFKnob("tie_word_embeddings", lambda config, n: config.get("tie_word_embeddings"),
+        return (HFKnob("tie_word_embeddings",
+                       lambda config, n: None if config.get("tie_word_embeddings") is None else [config["tie_word_embeddings"]],
                        lambda a: bool(a.get("tie")), any=True),)
 
     def tie_contract(self, attrs) -> tuple:

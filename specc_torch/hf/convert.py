@@ -242,10 +242,11 @@ def check_modeled(graph, config: dict, where: str, spec_name: str) -> None:
             if want is None:
                 continue
             if knob.any:
-                have = any(knob.modeled(op.attrs) for op in ops)
-                if not _same_request(want, have):
-                    raise HFError(f"{where}: config.json asks for {knob.key} = {_shown(want)}, but spec {spec_name}'s "
-                                  f"{kind.name} ops model {_shown(have)}")
+                (asked,) = want
+                for have in [v for v in (knob.modeled(op.attrs) for op in ops) if v] or [knob.absent]:
+                    if not _same_request(asked, have):
+                        raise HFError(f"{where}: config.json asks for {knob.key} = {_shown(asked)}, but spec {spec_name}'s "
+                                      f"{kind.name} ops model {_shown(have)}")
                 continue
             for op, asked in zip(ops, want):
                 have = knob.modeled(op.attrs)

@@ -100,3 +100,22 @@ def test_norms_te_cannot_compute_fall_back_or_are_refused(tmp_path):
     olmo = compile_with("olmo2-tiny.yaml", have=lambda b: b == "te", tp=2, sp=True)
     assert olmo.ops["layers.0.self_attention.q_norm"].impl == "native"
     assert "runtime.RMSNorm(64, eps=1e-06, tp=self.tp)" in emit_model(olmo, "specc compile")
+
+
+def test_attention_kernels_without_windows_or_caps_fall_back_or_are_refused(tmp_path):
+    """flash-attn and TE attention are wired for the plain mask only: Gemma 2's windowed,
+    soft-capped, rescaled attention gets native from auto with the reason (it would fail to build
+    on a machine that has them), and pinned to flash it is a located error."""
+    g = compile_with("gemma2-tiny.yaml", have=lambda b: True, tp=2)
+    attn = g.ops["layers.1.self_attention.core_attention"]  # a full-attention layer: still scaled and capped
+    assert attn.impl == "native" and attn.impl_reason == (
+        "te is not wired for window_pattern, scale, softcap (the native path computes them)")
+    assert g.ops["layers.0.self_attention.linear_qkv"].impl == "te"
+    assert compile_with("llama-tiny.yaml", have=lambda b: True, tp=2).ops[
+        "layers.0.self_attention.core_attention"].impl == "te"
+    pinned = tmp_path / "pinned.yaml"
+    pinned.write_text(f"name: pinned\nextends: {os.path.abspath(os.path.join(SPECS, 'mistral-tiny.yaml'))}\n"
+                      "modules: {SelfAttention: {submodules: {core_attention: {impl: flash}}}}\n", encoding="utf-8")
+    with pytest.raises(SpecError) as e:
+        compile_graph(load_spec(str(pinned), Settings(tp=2)), have=lambda b: True)
+    assert str(e.value).startswith(f"{pinned}:3:") and "core_attention: impl 'flash' is not wired for window" in str(e.value)

@@ -46,6 +46,10 @@ def hf_config(family: str):
                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                 "partial_rotary_factor": 0.25},
                                hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    if family == "gemma2":  # a window of 4 in 16 tokens; caps and score scale that matter (specs/gemma2-tiny.yaml)
+        return T.Gemma2Config(**_llama_like(head_dim=16, num_hidden_layers=3, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                            sliding_window=4, query_pre_attn_scalar=8, attn_logit_softcapping=1.0,
+                                            final_logit_softcapping=2.0, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     if family == "bert":
         return T.BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2,
                             vocab_size=VOCAB, max_position_embeddings=32, type_vocab_size=2,
@@ -53,11 +57,12 @@ def hf_config(family: str):
     raise KeyError(family)
 
 
-FAMILIES = {name: _spec(name) for name in ("llama3", "qwen2", "mistral", "phi3", "gpt-neox", "bert")}
+FAMILIES = {name: _spec(name) for name in ("llama3", "qwen2", "mistral", "phi3", "gpt-neox", "bert", "gemma2")}
 
 
 def hf_model(family: str, seed: int = 0):
-    """A random model; every parameter moved off its init (biases off 0, norm gains off 1)."""
+    """A random model; every parameter moved off its init, norm gains and biases (1-D) far off
+    (by about 0.3: around 1 and 0 alike; Gemma 2's stored gain - 1 too)."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     torch.manual_seed(seed)
@@ -66,7 +71,7 @@ def hf_model(family: str, seed: int = 0):
     model = auto.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.05))
     return model.eval()
 
 
@@ -90,30 +95,41 @@ def real(batch: dict, family: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def hf_logits(model, batch: dict) -> torch.Tensor:
+def hf_logits(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the output layer's logits, the per-token loss of the model's logits): they differ where
+    the logits are soft-capped after the output layer (Gemma 2)."""
+    head = model.get_output_embeddings()
+    captured = []
+    handle = head.register_forward_hook(lambda m, i, out: captured.append(out.detach().float()))
     if model.config.model_type == "bert":
-        return model(input_ids=batch["tokens"], token_type_ids=batch["token_types"],
-                     attention_mask=batch["attention_mask"]).logits.float()
-    return model(input_ids=batch["tokens"]).logits.float()
+        logits = model(input_ids=batch["tokens"], token_type_ids=batch["token_types"],
+                       attention_mask=batch["attention_mask"]).logits.float()
+    else:
+        logits = model(input_ids=batch["tokens"]).logits.float()
+    handle.remove()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+                                             reduction="none").reshape(batch["labels"].shape)
+    return captured[0], loss
 
 
 @torch.no_grad()
-def specc_logits(model, batch: dict, names: list, tp) -> torch.Tensor:
-    """The output layer's vocab-sharded [s, b, vocab/t] logits, gathered over TP, as [b, s, vocab]."""
+def specc_logits(model, batch: dict, names: list, tp) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the output layer's vocab-sharded [s, b, vocab/t] logits, gathered over TP, as [b, s, vocab];
+    the per-token loss the model returns)."""
     from runtime.mappings import gather_last
 
     captured = []
     handle = model.output_layer.register_forward_hook(lambda m, i, out: captured.append(out.detach()))
     model.eval()
-    model(*[batch[n] for n in names])
+    loss = model(*[batch[n] for n in names])
     handle.remove()
     logits = gather_last(captured[0].float().contiguous(), tp) if tp.size > 1 else captured[0].float()
-    return logits.transpose(0, 1).contiguous()
+    return logits.transpose(0, 1).contiguous(), loss.float()
 
 
 def parity(rank: int, world: int, cases: list) -> list:
     """On `world` ranks: every (family, checkpoint, input names, batch) at each TP size dividing
-    the world, with and without SP; [(family, tp, sp, logits)] on rank 0 of each TP group."""
+    the world, with and without SP; [(family, tp, sp, logits, loss)] on rank 0 of each TP group."""
     from runtime.checkpoint import load_checkpoint
 
     out = []
@@ -126,9 +142,9 @@ def parity(rank: int, world: int, cases: list) -> list:
                 for sp in ((False, True) if tp > 1 else (False,)):
                     model = specc_torch.build_model(spec, pg, seed=123, sp=sp)
                     load_checkpoint(ckpt, model, pg)
-                    logits = specc_logits(model, batch, names, pg.tp)
+                    logits, loss = specc_logits(model, batch, names, pg.tp)
                     if rank == 0:
-                        out.append((family, tp, sp, logits))
+                        out.append((family, tp, sp, logits, loss))
         finally:
             pg.destroy()
     return out

@@ -10,9 +10,12 @@ import os
 
 import pytest
 import torch
-from families import FAMILIES, hf_logits, hf_model, inputs, parity, real
+from families import FAMILIES, hf_logits, hf_model, inputs, parity, real, specc_logits
 from safetensors.torch import load_file
 
+import specc_torch
+from runtime.checkpoint import load_checkpoint
+from runtime.parallel_state import ProcessGroups
 from specc_torch.hf import HFError, export_hf, import_hf
 from specc_torch.hf.convert import _grouped_to_sections, _sections_to_grouped, check_modeled, model_params
 
@@ -23,7 +26,7 @@ NAMES = {"bert": ["tokens", "token_types", "attention_mask", "labels"]}
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    """family -> (HF directory, imported checkpoint, HF logits) for every family."""
+    """family -> (HF directory, imported checkpoint, (HF output-layer logits, per-token loss))."""
     from transformers.utils import logging
 
     logging.disable_progress_bar()
@@ -44,11 +47,14 @@ def test_logits_match_transformers_at_tp_1_2_4_with_and_without_sp(gloo, importe
     cases = [(f, FAMILIES[f], imported[f][1], NAMES.get(f, ["tokens", "labels"]), batch) for f in FAMILIES]
     results = gloo.run(4, parity, cases)[0]
     seen = set()
-    for family, tp, sp, logits in results:
-        expected = imported[family][2]
+    for family, tp, sp, logits, loss in results:
+        expected, expected_loss = imported[family][2]
         keep = real(batch, family)
         err = (logits - expected)[keep].abs().max().item()
         assert err < TOL, f"{family} tp={tp} sp={sp}: max |specc - transformers| = {err:.2e}"
+        # the loss reads the logits after what follows the output layer (Gemma 2's soft cap)
+        err = (loss - expected_loss)[keep].abs().max().item()
+        assert err < TOL, f"{family} tp={tp} sp={sp}: per-token loss, max |specc - transformers| = {err:.2e}"
         seen.add((family, tp, sp))
     assert len(seen) == len(FAMILIES) * 5  # tp 1; tp 2 and 4, each with and without SP
 
@@ -66,16 +72,19 @@ def test_import_then_export_round_trips_bit_exactly(imported, tmp_path, family):
 
 
 def test_exported_models_load_in_transformers(imported, tmp_path):
-    """GPT-NeoX (rows permuted back per head) and BERT (tied decoder and bias) from specc's checkpoint."""
+    """GPT-NeoX (rows permuted back per head), BERT (tied decoder and bias) and Gemma 2 (its
+    window, layer types, score scale and caps written back into config.json) from specc's checkpoint."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     batch = inputs()
-    for family, auto in (("gpt-neox", AutoModelForCausalLM), ("bert", AutoModelForMaskedLM)):
+    for family, auto in (("gpt-neox", AutoModelForCausalLM), ("bert", AutoModelForMaskedLM),
+                         ("gemma2", AutoModelForCausalLM)):
         out = str(tmp_path / family)
         export_hf(imported[family][1], FAMILIES[family], out)
         model = auto.from_pretrained(out, attn_implementation="eager").eval()
         keep = real(batch, family)
-        assert (hf_logits(model, batch) - imported[family][2])[keep].abs().max().item() < TOL
+        for got, want in zip(hf_logits(model, batch), imported[family][2]):
+            assert (got - want)[keep].abs().max().item() < TOL, family
 
 
 def test_the_per_head_permutation():
@@ -130,3 +139,49 @@ def test_configs_the_ops_do_not_model_are_refused(tmp_path):
         check_modeled(graph, {"tie_word_embeddings": True}, "x", "mistral_tiny")
     assert str(e.value) == "x: config.json asks for tie_word_embeddings = true, but spec mistral_tiny's linear ops model false"
     check_modeled(graph, {"tie_word_embeddings": False, "sliding_window": 5, "rope_theta": 10000.0}, "x", "mistral_tiny")
+    # Gemma 2: the layer types must be the spec's cycled window pattern, its caps the spec's
+    gemma2 = model_params(FAMILIES["gemma2"], with_graph=True)[3]
+    alternating = ["sliding_attention", "full_attention", "sliding_attention"]
+    asked = {"sliding_window": 4, "layer_types": alternating, "attn_logit_softcapping": 1.0,
+             "final_logit_softcapping": 2.0, "query_pre_attn_scalar": 8}
+    check_modeled(gemma2, asked, "x", "gemma2_tiny")
+    for change, message in [
+        ({"layer_types": ["sliding_attention"] * 3}, "sliding_window = 4, but spec gemma2_tiny models none at layers.1"),
+        ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+         "sliding_window = none, but spec gemma2_tiny models 4 at layers.0"),
+        ({"layer_types": alternating[:2] + ["chunked_attention"]},
+         'sliding_window = "chunked_attention", but spec gemma2_tiny models 4 at layers.2'),
+        ({"attn_logit_softcapping": None}, "attn_logit_softcapping = none, but spec gemma2_tiny models 1.0 at layers.0"),
+        ({"query_pre_attn_scalar": 16}, "query_pre_attn_scalar = 0.25, but spec gemma2_tiny models 0.3535"),
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping = 30.0, but spec gemma2_tiny's softcap ops model 2.0"),
+    ]:
+        with pytest.raises(HFError) as e:
+            check_modeled(gemma2, {**asked, **change}, "x", "gemma2_tiny")
+        assert str(e.value).startswith(f"x: config.json asks for {message}"), str(e.value)
+    with pytest.raises(HFError) as e:  # a Gemma 2 cap on a spec without a soft cap
+        check_modeled(graph, {"final_logit_softcapping": 30.0}, "x", "mistral_tiny")
+    assert str(e.value) == "x: config.json asks for final_logit_softcapping = 30.0, but spec mistral_tiny's softcap ops model none"
+    # a null cap passes the mapping's config check (config.json's nulls are not compared) but not the op's
+    assert _refused(tmp_path / "d", "gemma2", FAMILIES["gemma2"], final_logit_softcapping=None) == (
+        f"{tmp_path}/d/hf: config.json asks for final_logit_softcapping = none, but spec gemma2_tiny's softcap ops model 2.0")
+
+
+@pytest.mark.parametrize("key, value, what", [
+    ("final_logit_softcapping", 4.0, "loss"),
+    ("attn_logit_softcapping", 2.0, "logits"),
+    ("sliding_window", 16, "logits"),  # no window within the 16 tokens
+    ("modules.SelfAttention.submodules.core_attention.window_pattern", [0, 4], "logits"),
+    ("modules.SelfAttention.submodules.core_attention.window_pattern", [4, 0, 0], "logits"),
+    ("query_pre_attn_scalar", 16, "logits"),
+])
+def test_gemma2_parity_has_teeth(imported, key, value, what):
+    """Each Gemma 2 feature changes the tiny model's output by far more than the parity's 1e-4: a
+    wrong cap, no window, the window on the odd layers, the third layer's window (the pattern
+    cycled), another score scale would each fail it."""
+    batch = inputs()
+    changed = specc_torch.build_model(FAMILIES["gemma2"], seed=1, overrides={key: value})
+    load_checkpoint(imported["gemma2"][1], changed, allow_spec_change=True)
+    logits, loss = specc_logits(changed, batch, ["tokens", "labels"], ProcessGroups.single().tp)
+    expected_logits, expected_loss = imported["gemma2"][2]
+    diff = {"logits": (logits - expected_logits).abs().max().item(), "loss": (loss - expected_loss).abs().max().item()}
+    assert diff[what] > 100 * TOL, diff
