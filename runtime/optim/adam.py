@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.optim.adam import adam as adam_update
 
 from .. import comm
 from ..ddp import DistributedDataParallel
@@ -227,17 +228,19 @@ class Adam(FlatOptimizer):
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
 
     def _update(self, r: _Range, lr: float) -> None:
-        b1, b2 = self.beta1, self.beta2
-        bias1 = 1.0 - b1 ** self.step_count
-        bias2_sqrt = math.sqrt(1.0 - b2 ** self.step_count)
-        if self.weight_decay > 0:
-            for s in r.segments:
-                if s.decay:
-                    r.master[s.offset:s.offset + s.length].mul_(1.0 - lr * self.weight_decay)
-        r.exp_avg.mul_(b1).add_(r.grad, alpha=1.0 - b1)
-        r.exp_avg_sq.mul_(b2).addcmul_(r.grad, r.grad, value=1.0 - b2)
-        denom = (r.exp_avg_sq.sqrt() / bias2_sqrt).add_(self.eps)
-        r.master.addcdiv_(r.exp_avg, denom, value=-lr / bias1)
+        # torch's fused AdamW kernel (one pass over the moments and weights; the op-by-op update
+        # reads and writes each of them several times and is several times slower on the CPU),
+        # called on views of the flat ranges: one list with weight decay (matrices), one without.
+        # The kernel counts the step itself from `state_steps`.
+        for decay in (True, False):
+            views = [(s.offset, s.offset + s.length) for s in r.segments if s.decay == decay]
+            if not views:
+                continue
+            lists = [[t[a:b] for a, b in views] for t in (r.master, r.grad, r.exp_avg, r.exp_avg_sq)]
+            steps = [torch.tensor(float(self.step_count - 1), device=r.master.device) for _ in views]
+            adam_update(*lists, [], steps, fused=True, decoupled_weight_decay=True, amsgrad=False,
+                        beta1=self.beta1, beta2=self.beta2, lr=lr,
+                        weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, maximize=False)
 
 
 class SGD(FlatOptimizer):
