@@ -25,6 +25,7 @@ bench/.megatron (what it needs on the CPU is explained there and in cpu_patches 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import queue
@@ -60,6 +61,7 @@ import runtime  # noqa: E402
 import specc_torch  # noqa: E402
 from runtime.compile import compile_layers  # noqa: E402
 from runtime.init import full_parameter  # noqa: E402
+from runtime.optim import Adam  # noqa: E402
 
 SPEC = os.path.join(ROOT, "specs", "gpt.yaml")
 SETTINGS = {"tp1": (1, False), "tp2": (2, False), "tp2sp": (2, True)}
@@ -80,6 +82,33 @@ def cpu_patches() -> None:
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # Its DistributedDataParallel and optimizer (the "own training step" rows) create small state
+    # tensors with device="cuda" and order work on CUDA streams: tensors on the CPU, no-op streams.
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.Stream = lambda *a, **k: _NoStream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+def _on_cpu(factory):
+    def make(*args, device=None, **kwargs):
+        if device is not None and str(device).startswith("cuda"):
+            device = "cpu"
+        return factory(*args, device=device, **kwargs)
+    return make
+
+
+class _NoStream:
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
 
 
 def sequence_parallel_layer_norm():
@@ -106,7 +135,8 @@ def build_megatron(cfg, tp: int, sp: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    if not parallel_state.model_parallel_is_initialized():  # one model per kind of step: built twice
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     config = TransformerConfig(
         num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads, ffn_hidden_size=4 * cfg.hidden,
@@ -180,6 +210,61 @@ def megatron_loss_fn(seq: int):
     return loss
 
 
+class OwnStepRunner(Runner):
+    """A training step as each system's own training loop runs it: its data-parallel wrapper with
+    flat gradient buffers, its gradient finalization and its optimizer (AdamW, weight decay 0.01
+    on matrices, no clipping on either side). `setup(model)` returns (wrapped model, zero_grad,
+    finalize, optimizer_step)."""
+
+    def __init__(self, name, model, step_loss, setup):
+        super().__init__(name, model, step_loss)
+        self.wrapped, self.zero_grad, self.finalize, self.optimizer_step = setup(model)
+
+    def step(self, batch, measure_memory=False):
+        start = time.perf_counter()
+        self.zero_grad()
+        loss = self.step_loss(self.wrapped, batch)
+        loss.backward()
+        self.finalize()
+        self.optimizer_step()
+        elapsed = time.perf_counter() - start
+        self.losses.append(float(loss.detach()))
+        return elapsed
+
+
+def specc_own_step(pg):
+    """specc's training step (runtime/train/training.py): runtime.DistributedDataParallel, then
+    runtime.finalize_model_grads, then runtime.optim.Adam over the flat buffers (fused kernel)."""
+    def setup(model):
+        ddp = runtime.DistributedDataParallel(model, pg)
+        opt = Adam(ddp, pg, weight_decay=0.01, clip_grad=0.0)
+        return ddp, ddp.zero_grad_buffer, lambda: runtime.finalize_model_grads(model, pg, ddp), lambda: opt.step(1e-4)
+    return setup
+
+
+def megatron_own_step(mconfig):
+    """Megatron Core's training step (megatron/training's train_step): its DistributedDataParallel,
+    finalize_model_grads and get_megatron_optimizer; without TE or Apex that is torch's AdamW
+    (foreach) under its FP32Optimizer, which copies main_grad into grad first."""
+    def setup(model):
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        ddp = DistributedDataParallel(mconfig, DistributedDataParallelConfig(), model)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=0.0,
+                                                     bf16=False, fp16=False), [ddp])
+
+        def zero_grad():
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+        return ddp, zero_grad, lambda: finalize_model_grads([ddp]), opt.step
+    return setup
+
+
 # -- one setting on its ranks ----------------------------------------------------------------------
 
 def _rank(rank, world, port, cfg, setting, results):
@@ -201,6 +286,13 @@ def _rank(rank, world, port, cfg, setting, results):
         runners = [Runner("specc", ours, compiled_loss, lambda: runtime.finalize_model_grads(ours, pg)),
                    Runner("megatron", theirs, megatron_loss_fn(cfg.seq),
                           lambda: _allreduce_non_tensor_model_parallel_grads([theirs], mconfig))]
+        if cfg.own_step:  # second copies of both models (the steps change the weights)
+            ours2 = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
+                                            micro_batch_size=cfg.batch)
+            theirs2, _ = build_megatron(cfg, tp, sp)
+            copy_weights(theirs2, full, cfg.heads, tp, pg.tp.rank)
+            runners += [OwnStepRunner("specc-own", ours2, compiled_loss, specc_own_step(pg)),
+                        OwnStepRunner("megatron-own", theirs2, megatron_loss_fn(cfg.seq), megatron_own_step(mconfig))]
         if cfg.torch_compile:
             compiled = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
                                                micro_batch_size=cfg.batch)
@@ -259,28 +351,31 @@ def run_setting(cfg, setting: str) -> dict:
 
 # -- report ----------------------------------------------------------------------------------------
 
-def table(cfg, results: dict, flops: float) -> str:
-    names = ["megatron"] + (["specc+compile"] if cfg.torch_compile else [])
+def table(cfg, results: dict, flops: float, ours: str = "specc", theirs: str = "megatron") -> str:
+    """One row per setting: `ours` against `theirs` (the model step with the same torch AdamW, or
+    each system's own training step), and specc with --torch-compile against both."""
+    compiled = cfg.torch_compile and ours == "specc"
     head = ("| setting | specc step (ms) | Megatron Core step (ms) | specc / Megatron | target | specc MFU | "
             "Megatron MFU | first-loss diff |")
     cols = head.count("|") - 1
-    if cfg.torch_compile:
+    if compiled:
         head += " specc+compile (ms) | compile / eager | compile / Megatron |"
         cols += 3
     lines = [head, "|" + "---|" * cols]
     for setting, res in results.items():
-        med = {n: statistics.median(r[n] for r in res["rounds"]) for n in ["specc"] + names}
-        ratio = statistics.median(r["specc"] / r["megatron"] for r in res["rounds"])
+        names = [ours, theirs] + (["specc+compile"] if compiled else [])
+        med = {n: statistics.median(r[n] for r in res["rounds"]) for n in names}
+        ratio = statistics.median(r[ours] / r[theirs] for r in res["rounds"])
         tp = SETTINGS[setting][0]
         target = "< 1" if tp == 1 else "<= 0.85"
         met = ratio < 1 if tp == 1 else ratio <= 0.85
         util = {n: mfu(flops, med[n], res["peak_gflops"], tp) for n in med}  # every rank has its own core
-        diff = abs(res["first_loss"]["specc"] - res["first_loss"]["megatron"])
-        line = (f"| {LABELS[setting]} | {med['specc'] * 1e3:.1f} | {med['megatron'] * 1e3:.1f} | **{ratio:.3f}** | "
-                f"{target} {'met' if met else 'missed'} | {util['specc']:.1%} | {util['megatron']:.1%} | {diff:.1e} |")
-        if cfg.torch_compile:
+        diff = abs(res["first_loss"][ours] - res["first_loss"][theirs])
+        line = (f"| {LABELS[setting]} | {med[ours] * 1e3:.1f} | {med[theirs] * 1e3:.1f} | **{ratio:.3f}** | "
+                f"{target} {'met' if met else 'missed'} | {util[ours]:.1%} | {util[theirs]:.1%} | {diff:.1e} |")
+        if compiled:
             c = med["specc+compile"]
-            line += f" {c * 1e3:.1f} | {c / med['specc']:.3f} | {c / med['megatron']:.3f} |"
+            line += f" {c * 1e3:.1f} | {c / med[ours]:.3f} | {c / med[theirs]:.3f} |"
         lines.append(line)
     return "\n".join(lines)
 
@@ -291,11 +386,14 @@ Measured by `python bench/megatron_step.py` (after `bash bench/setup_megatron.sh
 on {date}: {machine}; one thread per rank; the run took {elapsed:.0f} s.
 Model: {shape}. FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak measured per rank: {peak:.1f} GFLOP/s.
 
-{table}
+**Model step** (both sides: zero_grad, forward, backward, gradient finalization, and the same
+`torch.optim.AdamW`): what the two implementations of the model cost.
 
+{table}
+{own}
 - **specc / Megatron** = the median over {rounds} rounds of the per-round ratio of median step
-  times (zero_grad, forward, backward, gradient finalization, AdamW); within a round the
-  implementations alternate step by step, so load from other processes hits both alike.
+  times; within a round the implementations alternate step by step, so load from other
+  processes hits both alike.
 - **Megatron Core**: 0.19.2, `GPTModel` with `get_gpt_layer_local_spec()` (no TE, no Apex) on gloo;
   with SP its torch LayerNorm is replaced through the spec by the same norm with parameters tagged
   `sequence_parallel`, whose gradients Megatron's own `_allreduce_non_tensor_model_parallel_grads`
@@ -303,6 +401,18 @@ Model: {shape}. FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak measu
 - **MFU** = FLOPs per step / step time / (GEMM peak x ranks).
 - **first-loss diff**: both start from the same weights (cut to Megatron's shards, QKV per head), so
   the first losses agree: it is the same function.
+"""
+
+
+OWN = """
+**Training step** as each system's own training loop runs it: specc's
+`runtime.DistributedDataParallel`, `runtime.finalize_model_grads` and `runtime.optim.Adam` (flat
+buffers, torch's fused AdamW kernel) against Megatron Core's `DistributedDataParallel`,
+`finalize_model_grads` and `get_megatron_optimizer` (on the CPU, without TE or Apex, torch's
+foreach AdamW under its `FP32Optimizer`); AdamW with weight decay 0.01 on matrices, no clipping,
+on both sides.
+
+{table}
 """
 
 
@@ -321,6 +431,9 @@ def main(argv=None) -> int:
     p.add_argument("--torch-compile", action="store_true", help="also time specc with each layer compiled")
     p.add_argument("--output", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--no-own-step", dest="own_step", action="store_false",
+                   help="time only the model step (the same torch AdamW on both sides), not also each "
+                        "system's own training step (its DDP and optimizer)")
     cfg = p.parse_args(argv)
     settings = cfg.settings.split(",")
     unknown = [s for s in settings if s not in SETTINGS]
@@ -344,15 +457,23 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - start
     text = table(cfg, results, flops)
     print(text)
+    own = ""
+    if cfg.own_step:
+        own = OWN.format(table=table(cfg, results, flops, "specc-own", "megatron-own"))
+        print(own)
     for setting, res in results.items():
-        a, b = res["first_loss"]["specc"], res["first_loss"]["megatron"]
-        if abs(a - b) > 1e-3 * abs(b):
-            print(f"error: {setting}: first losses differ ({a} vs {b}): not the same model", file=sys.stderr)
-            return 1
+        for ours, theirs in (("specc", "megatron"), ("specc-own", "megatron-own")):
+            if ours not in res["first_loss"]:
+                continue
+            a, b = res["first_loss"][ours], res["first_loss"][theirs]
+            if abs(a - b) > 1e-3 * abs(b):
+                print(f"error: {setting}: first losses differ ({ours} {a} vs {theirs} {b}): not the same model",
+                      file=sys.stderr)
+                return 1
     if not cfg.no_write:
         peak = min(r["peak_gflops"] for r in results.values())
         replace_section(cfg.output, DOC.format(date=datetime.date.today().isoformat(), machine=machine_line(),
-                                         elapsed=elapsed, shape=shape, flops=flops, peak=peak, table=text,
+                                         elapsed=elapsed, shape=shape, flops=flops, peak=peak, table=text, own=own,
                                          rounds=cfg.rounds))
         print(f"wrote {cfg.output}")
     return 0
