@@ -6,6 +6,10 @@ otherwise pick, measured side by side in one run at TP=1, TP=2 and TP=2 with SP:
                  architecture (learned positions, LayerNorm, tanh GELU, biases, tied output),
                  Megatron's own SP layer-norm gradient all-reduce after backward
   specc+compile  (with --torch-compile) specc with each layer compiled (runtime.compile_layers)
+  specc-own      specc's own training step: runtime.DistributedDataParallel, finalize_model_grads
+                 and runtime.optim.Adam (flat buffers, torch's fused AdamW kernel)
+  megatron-own   Megatron Core's own: its DistributedDataParallel, finalize_model_grads and
+                 get_megatron_optimizer (torch's foreach AdamW on the CPU, under FP32Optimizer)
 
 Both sides start from the same weights (specc's TP-invariant init, gathered to full size and cut
 the way Megatron shards: vocabulary rows, per-head [q_h|k_h|v_h] QKV rows, column and row
@@ -13,7 +17,9 @@ splits) and their first losses are compared. A step is zero_grad, forward, backw
 finalization, torch.optim.AdamW; the implementations alternate step by step and the median is
 taken, over --rounds independent rounds of --steps steps; the ratio reported is the median of
 the per-round ratios. MFU is the model's FLOPs per step (from specc's plan: the compiler counts
-every op) over a measured fp32 GEMM peak at the same thread count (one per rank).
+every op) over a measured fp32 GEMM peak at the same thread count (one per rank). At TP=2 it
+also times specc's collectives alone and inside the step (runtime.comm.CommTimer): the fraction
+of collective time the step hides.
 
 Megatron Core is never a dependency of specc: `bench/setup_megatron.sh` installs it into
 bench/.megatron (what it needs on the CPU is explained there and in cpu_patches below).
@@ -265,6 +271,20 @@ def megatron_own_step(mconfig):
     return setup
 
 
+def collective_time(runner, batches, steps: int = 3) -> dict:
+    """How much of specc's collective time the step hides: per step, the time this rank waits on
+    its collectives inside the step (runtime.comm.CommTimer: blocking calls, and the wait() of the
+    async ones overlapped with GEMMs) against the same collectives issued alone."""
+    exposed, alone = [], []
+    for i in range(steps):
+        with runtime.comm.CommTimer() as timer:
+            runner.step(batches[i % len(batches)])
+        exposed.append(timer.exposed_seconds())
+        alone.append(timer.replay())
+    return {"count": len(timer.records), "bytes": sum(r.bytes for r, _, _ in timer.records),
+            "exposed": statistics.median(exposed), "alone": statistics.median(alone)}
+
+
 # -- one setting on its ranks ----------------------------------------------------------------------
 
 def _rank(rank, world, port, cfg, setting, results):
@@ -300,12 +320,16 @@ def _rank(rank, world, port, cfg, setting, results):
             runners.append(Runner("specc+compile", compiled, compiled_loss,
                                   lambda: runtime.finalize_model_grads(compiled, pg)))
         batches = make_batches(cfg)
-        rounds = []
+        rounds, peaks = [], []
         for _ in range(cfg.rounds):
             for r in runners:
                 r.times.clear()
+            # the GEMM peak is measured before every round and the highest kept: a reading taken
+            # while other processes load the machine would understate it and inflate the MFU
+            peaks.append(gemm_peak_gflops())
             rounds.append(measure(runners, batches, cfg.steps))
-        results.put((rank, {"rounds": rounds, "peak_gflops": gemm_peak_gflops()}))
+        comm_time = collective_time(runners[0], batches) if tp > 1 else None
+        results.put((rank, {"rounds": rounds, "peak_gflops": max(peaks), "comm": comm_time}))
         pg.destroy()
     except BaseException:
         import traceback
@@ -346,7 +370,11 @@ def run_setting(cfg, setting: str) -> dict:
     rounds = [{n: max(got[r]["rounds"][k][n][0] for r in got) for n in got[0]["rounds"][k]}
               for k in range(cfg.rounds)]
     first = {n: got[0]["rounds"][0][n][2] for n in got[0]["rounds"][0]}
-    return {"rounds": rounds, "first_loss": first, "peak_gflops": min(got[r]["peak_gflops"] for r in got)}
+    comm_time = None
+    if got[0]["comm"] is not None:  # the rank that waited longest: it sets the step's end
+        comm_time = max((got[r]["comm"] for r in got), key=lambda c: c["exposed"])
+    return {"rounds": rounds, "first_loss": first, "peak_gflops": min(got[r]["peak_gflops"] for r in got),
+            "comm": comm_time}
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -380,6 +408,18 @@ def table(cfg, results: dict, flops: float, ours: str = "specc", theirs: str = "
     return "\n".join(lines)
 
 
+def comm_table(results: dict) -> str:
+    lines = ["| setting | collectives per step | MiB per rank | alone (ms) | waited in the step (ms) | hidden |",
+             "|---|---|---|---|---|---|"]
+    for setting, res in results.items():
+        c = res["comm"]
+        if c is None:
+            continue
+        lines.append(f"| {LABELS[setting]} | {c['count']} | {c['bytes'] / 2 ** 20:.1f} | {c['alone'] * 1e3:.1f} | "
+                     f"{c['exposed'] * 1e3:.1f} | {1 - c['exposed'] / c['alone']:.0%} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 DOC = """## Training step: specc vs Megatron Core
 
 Measured by `python bench/megatron_step.py` (after `bash bench/setup_megatron.sh`; written by it)
@@ -390,7 +430,7 @@ Model: {shape}. FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak measu
 `torch.optim.AdamW`): what the two implementations of the model cost.
 
 {table}
-{own}
+{own}{comm}
 - **specc / Megatron** = the median over {rounds} rounds of the per-round ratio of median step
   times; within a round the implementations alternate step by step, so load from other
   processes hits both alike.
@@ -403,6 +443,17 @@ Model: {shape}. FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak measu
   the first losses agree: it is the same function.
 """
 
+
+COMM = """
+**specc's collectives** in one model step (`runtime.comm.CommTimer`, the rank that waited
+longest): issued alone, one after another, against the time the step waits on them (blocking
+calls, and the wait() of the async ones: the input-gradient all-reduce / reduce-scatter runs
+during the weight-gradient GEMM, the sequence-parallel re-gather during the input-gradient
+GEMM). "hidden" = 1 - waited / alone; it is negative when waiting also absorbs the other rank
+being late.
+
+{table}
+"""
 
 OWN = """
 **Training step** as each system's own training loop runs it: specc's
@@ -457,6 +508,10 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - start
     text = table(cfg, results, flops)
     print(text)
+    collectives = comm_table(results)
+    if collectives:
+        collectives = COMM.format(table=collectives)
+        print(collectives)
     own = ""
     if cfg.own_step:
         own = OWN.format(table=table(cfg, results, flops, "specc-own", "megatron-own"))
@@ -473,7 +528,7 @@ def main(argv=None) -> int:
     if not cfg.no_write:
         peak = min(r["peak_gflops"] for r in results.values())
         replace_section(cfg.output, DOC.format(date=datetime.date.today().isoformat(), machine=machine_line(),
-                                         elapsed=elapsed, shape=shape, flops=flops, peak=peak, table=text, own=own,
+                                         elapsed=elapsed, shape=shape, flops=flops, peak=peak, table=text, own=own, comm=collectives,
                                          rounds=cfg.rounds))
         print(f"wrote {cfg.output}")
     return 0

@@ -7,6 +7,7 @@ single-process run needs no torch.distributed.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -84,6 +85,92 @@ class CommCounter:
                 counter.records.append(record)
 
 
+class CommTimer:
+    """Times, while active, how long this rank waits on every collective: a blocking call's
+    duration, or for an async one (async_op=True) the time its wait() blocks; what overlapped
+    with computation does not show. `replay()` then issues the same collectives (kind, group,
+    bytes) alone, one after another, to time what they cost when nothing hides them: the bench's
+    fraction of collective time hidden is 1 - exposed / alone."""
+
+    _active: list[CommTimer] = []
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.records: list[tuple[CommRecord, Group, float]] = []  # (what, its group, seconds waited)
+
+    def __enter__(self) -> CommTimer:
+        with CommTimer._lock:
+            CommTimer._active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with CommTimer._lock:
+            CommTimer._active.remove(self)
+
+    def exposed_seconds(self) -> float:
+        return sum(seconds for _, _, seconds in self.records)
+
+    def replay(self) -> float:
+        """Seconds the recorded collectives take issued alone, synchronously, in order (on every
+        rank of their groups: call it on all ranks, after the timed region)."""
+        start = time.perf_counter()
+        for record, group, _ in self.records:
+            per_rank = -(-max(1, record.bytes // 4) // group.size)  # fp32 elements, rounded up
+            full, part = torch.zeros(per_rank * group.size), torch.zeros(per_rank)
+            if record.kind == "all_reduce":
+                all_reduce(full, group)
+            elif record.kind == "all_gather":  # recorded: the gathered output
+                all_gather_into_tensor(full, part, group)
+            elif record.kind == "reduce_scatter":  # recorded: the full input
+                reduce_scatter_tensor(part, full, group)
+            elif record.kind == "all_to_all":  # recorded: what this rank sends
+                all_to_all(torch.zeros_like(full), full, group)
+        return time.perf_counter() - start
+
+    @classmethod
+    def _timed(cls, kind: str, group: Group, tensor: torch.Tensor, issue):
+        """Issue a collective (`issue()` returns its work handle or None), timing it when a timer
+        is active; an async handle comes back wrapped so that its wait() is timed."""
+        if not cls._active:
+            return issue()
+        record = CommRecord(kind, group.name, tensor.numel() * tensor.element_size())
+        start = time.perf_counter()
+        work = issue()
+        if work is None:
+            cls._add(record, group, time.perf_counter() - start)
+            return None
+        cls._add(record, group, 0.0)
+        return _TimedWork(work, record, group)
+
+    @classmethod
+    def _add(cls, record: CommRecord, group: Group, seconds: float) -> None:
+        with cls._lock:
+            for timer in cls._active:
+                timer.records.append((record, group, seconds))
+
+
+class _TimedWork:
+    """An async collective's handle whose wait() adds the time it blocks to the active timers."""
+
+    def __init__(self, work, record: CommRecord, group: Group) -> None:
+        self._work, self._record, self._group = work, record, group
+
+    def wait(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self._work.wait(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        with CommTimer._lock:
+            for timer in CommTimer._active:
+                for i in range(len(timer.records) - 1, -1, -1):
+                    if timer.records[i][0] is self._record:
+                        timer.records[i] = (self._record, self._group, timer.records[i][2] + seconds)
+                        break
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
 def all_reduce(t: torch.Tensor, group: Group, async_op: bool = False, op: str = "sum"):
     """In-place all-reduce of `t`; op is "sum" (default), "max" or "min"."""
     if group.size == 1:
@@ -92,7 +179,8 @@ def all_reduce(t: torch.Tensor, group: Group, async_op: bool = False, op: str = 
         raise ValueError(f"all_reduce op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
     _check_contiguous(t, "all_reduce tensor")
     CommCounter._record("all_reduce", group, t)
-    return dist.all_reduce(t, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]), group=group.group, async_op=async_op)
+    return CommTimer._timed("all_reduce", group, t, lambda: dist.all_reduce(
+        t, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]), group=group.group, async_op=async_op))
 
 
 def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
@@ -104,7 +192,8 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group, a
     _check_contiguous(out, "all_gather output")
     _check_contiguous(inp, "all_gather input")
     CommCounter._record("all_gather", group, out)
-    return _all_gather(out, inp, group=group.group, async_op=async_op)
+    return CommTimer._timed("all_gather", group, out, lambda: _all_gather(out, inp, group=group.group,
+                                                                           async_op=async_op))
 
 
 def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
@@ -116,7 +205,8 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group, as
     _check_contiguous(out, "reduce_scatter output")
     _check_contiguous(inp, "reduce_scatter input")
     CommCounter._record("reduce_scatter", group, inp)
-    return _reduce_scatter(out, inp, group=group.group, async_op=async_op)
+    return CommTimer._timed("reduce_scatter", group, inp, lambda: _reduce_scatter(out, inp, group=group.group,
+                                                                                   async_op=async_op))
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, output_split_sizes=None,
@@ -134,8 +224,9 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, output_split_
     _check_contiguous(out, "all_to_all output")
     _check_contiguous(inp, "all_to_all input")
     CommCounter._record("all_to_all", group, inp)
-    return dist.all_to_all_single(out, inp, output_split_sizes=output_split_sizes,
-                                  input_split_sizes=input_split_sizes, group=group.group, async_op=async_op)
+    return CommTimer._timed("all_to_all", group, inp, lambda: dist.all_to_all_single(
+        out, inp, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, group=group.group,
+        async_op=async_op))
 
 
 def send_recv(send_tensor: torch.Tensor | None, dst: int | None, recv_tensor: torch.Tensor | None,

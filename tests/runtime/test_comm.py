@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import comm, mappings
-from runtime.comm import CommCounter
+from runtime.comm import CommCounter, CommTimer
 from runtime.layers import ColumnParallelLinear, RowParallelLinear
 from runtime.parallel_state import Group
 
@@ -128,6 +128,28 @@ def _check_linear_pair_counts(rank, world):
     # all-gather, the column's input re-gather and its grad-input reduce-scatter.
     assert fwd == {"all_gather": (1, full), "reduce_scatter": (1, full)}, fwd
     assert bwd == {"all_gather": (2, 2 * full), "reduce_scatter": (1, full)}, bwd
+    _check_timer(rank, world)
+
+
+def _check_timer(rank, world):
+    """CommTimer sees the same collectives as CommCounter, the async ones through their wait(),
+    and replays them alone; it hands out the plain work handle when no timer is active."""
+    g = world_group(rank, world)
+    with CommTimer() as timer, CommCounter() as counter:
+        _linear_pair_counts(rank, world, sequence_parallel=True)
+        work = comm.all_reduce(torch.ones(3), g, async_op=True)
+        assert type(work).__name__ == "_TimedWork"
+        work.wait()
+    assert [r for r, _, _ in timer.records] == counter.records
+    assert all(seconds >= 0.0 for _, _, seconds in timer.records)
+    assert timer.exposed_seconds() == sum(seconds for _, _, seconds in timer.records)
+    recorded = list(timer.records)
+    assert timer.replay() > 0.0
+    assert timer.records == recorded  # the replay is not recorded (the timer is no longer active)
+    plain = comm.all_reduce(torch.ones(3), g, async_op=True)
+    assert type(plain).__name__ != "_TimedWork"
+    plain.wait()
+    assert CommTimer._active == []
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,0 +1,55 @@
+"""bench/megatron_step.py's report arithmetic, without Megatron Core (a bench-only install): the
+ratio is the median of per-round ratios, the targets, MFU, the collectives' hidden fraction."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("megatron_step", os.path.join(ROOT, "bench", "megatron_step.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["megatron_step"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+megatron_step = _load()
+
+
+def _result(rounds, comm=None):
+    return {"rounds": rounds, "first_loss": {n: 8.25 for n in rounds[0]}, "peak_gflops": 100.0, "comm": comm}
+
+
+def test_the_ratio_is_the_median_of_per_round_ratios_and_the_targets_follow_tp():
+    cfg = types.SimpleNamespace(torch_compile=False)
+    rounds = [{"specc": 0.8, "megatron": 1.0, "specc-own": 0.5, "megatron-own": 1.0},
+              {"specc": 0.9, "megatron": 1.0, "specc-own": 0.9, "megatron-own": 1.0},
+              {"specc": 2.0, "megatron": 1.0, "specc-own": 0.8, "megatron-own": 1.0}]  # one round under load
+    results = {"tp1": _result(rounds), "tp2": _result(rounds)}
+    text = megatron_step.table(cfg, results, flops=50e9)
+    rows = text.splitlines()[2:]
+    assert "**0.900**" in rows[0] and "< 1 met" in rows[0]  # median(0.8, 0.9, 2.0)
+    assert "**0.900**" in rows[1] and "<= 0.85 missed" in rows[1]
+    # MFU: 50 GFLOP over the median step (0.9 s) over 100 GFLOP/s per rank, times the ranks
+    assert "55.6%" in rows[0] and "27.8%" in rows[1]
+    own = megatron_step.table(cfg, results, 50e9, "specc-own", "megatron-own").splitlines()[2:]
+    assert "**0.800**" in own[1] and "<= 0.85 met" in own[1]
+
+
+def test_the_collectives_table_says_how_much_of_their_time_the_step_hides():
+    results = {"tp1": _result([{"specc": 1.0, "megatron": 1.0}]),
+               "tp2": _result([{"specc": 1.0, "megatron": 1.0}],
+                              {"count": 20, "bytes": 18 * 2 ** 20, "alone": 0.080, "exposed": 0.020}),
+               "tp2sp": _result([{"specc": 1.0, "megatron": 1.0}],
+                                {"count": 49, "bytes": 46 * 2 ** 20, "alone": 0.100, "exposed": 0.110})}
+    rows = megatron_step.comm_table(results).splitlines()[2:]
+    assert len(rows) == 2  # TP=1 issues none
+    assert rows[0] == "| TP=2 (2 gloo ranks) | 20 | 18.0 | 80.0 | 20.0 | 75% |"
+    assert rows[1].endswith("| -10% |")  # waiting absorbed the other rank being late
+    assert megatron_step.comm_table({"tp1": results["tp1"]}) == ""
