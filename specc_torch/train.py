@@ -311,12 +311,13 @@ def data_rules(cfg: TrainConfig, model_config: dict) -> list:
         sources = {None: open_corpora(cfg.data.data_path, seq, cfg.seed, mock=cfg.data.mock_data, vocab_size=vocab)}
     errors = []
     checked = set()
-    for corpora in sources.values() if not cfg.data.mock_data else ():
+    for split, corpora in sources.items() if not cfg.data.mock_data else ():
+        flag = f"--{split}-data-path" if split is not None else "--data-path"  # the flag that named it
         for _, corpus in corpora:
             if corpus.prefix in checked:
                 continue
             checked.add(corpus.prefix)
-            errors += _vocabulary_rules(corpus, vocab)
+            errors += _vocabulary_rules(corpus, vocab, flag)
     if errors:
         return errors
     needed = {"train": 1, "valid": 1 if cfg.eval_iters > 0 else 0}
@@ -345,16 +346,16 @@ def data_rules(cfg: TrainConfig, model_config: dict) -> list:
     return errors
 
 
-def _vocabulary_rules(corpus, vocab: int) -> list:
+def _vocabulary_rules(corpus, vocab: int, flag: str = "--data-path") -> list:
     meta = read_sidecar(corpus.prefix)
     if meta is not None and isinstance(meta.get("vocab_size"), int) and meta["vocab_size"] > vocab:
-        return [f"--data-path {corpus.prefix}: its tokenizer's vocabulary ({meta['vocab_size']}) is larger than the "
+        return [f"{flag} {corpus.prefix}: its tokenizer's vocabulary ({meta['vocab_size']}) is larger than the "
                 f"model's vocab_size ({vocab}); set --set vocab_size={meta['vocab_size']} or more, or give its "
                 "--tokenizer-type"]
     ids = _id_range(corpus)
     if ids is not None and (ids[0] < 0 or ids[1] >= vocab):
         bad = ids[0] if ids[0] < 0 else ids[1]
-        return [f"--data-path {corpus.prefix}: {corpus.prefix}.bin holds token id {bad} "
+        return [f"{flag} {corpus.prefix}: {corpus.prefix}.bin holds token id {bad} "
                 f"({'its smallest' if bad < 0 else 'its largest'}), outside the model's vocabulary of {vocab} "
                 f"(ids 0..{vocab - 1}); prepare the data with the model's tokenizer, give its --tokenizer-type, or "
                 f"--set vocab_size={ids[1] + 1} or more"]

@@ -90,6 +90,9 @@ def test_token_ids_outside_the_vocabulary_are_found_at_load(train, tmp_path):
     _one_line(train(data=prefix), f"error: --data-path {prefix}: {prefix}.bin holds token id 300 (its largest), "
               f"outside the model's vocabulary of 256 (ids 0..255); prepare the data with the model's tokenizer, "
               f"give its --tokenizer-type, or --set vocab_size=301 or more")
+    # given as one split's data, the error names that flag
+    _one_line(train(data=None, extra=("--train-data-path", prefix)),
+              f"error: --train-data-path {prefix}: {prefix}.bin holds token id 300 (its largest)")
 
 
 def test_data_path_mistakes(specc, train, corpus, tmp_path):
