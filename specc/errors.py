@@ -57,15 +57,16 @@ def _one_line(text: str) -> str:
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
-def did_you_mean(word, choices) -> str:
-    """A hint naming the closest valid choice, or listing the valid ones."""
+def did_you_mean(word, choices, listed: bool = False) -> str:
+    """A hint naming the closest valid choice, or listing the valid ones (nothing when the message
+    already lists them: `listed`)."""
     choices = sorted(str(c) for c in choices)
     word = str(word)
     same_case = [c for c in choices if c.lower() == word.lower()]
     close = same_case or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     if close:
         return f"did you mean '{close[0]}'?"
-    if not choices:
+    if not choices or listed:
         return ""
     shown = ", ".join(choices[:12]) + (", ..." if len(choices) > 12 else "")
     return f"expected one of: {shown}"

@@ -239,7 +239,7 @@ class _Builder:
             if value not in RECOMPUTE:
                 got = f"'{_clip(value)}'" if isinstance(value, str) else _kind(value)
                 raise SpecError(raw.value_loc("recompute"), f"'recompute' must be one of {', '.join(RECOMPUTE)}, "
-                                f"got {got}", did_you_mean(value, RECOMPUTE) if isinstance(value, str) else
+                                f"got {got}", did_you_mean(value, RECOMPUTE, listed=True) if isinstance(value, str) else
                                 "full: recompute the whole module from its inputs; selective: its attention core")
             module.recompute, module.recompute_loc = value, raw.value_loc("recompute")
         _check_dataflow(module)
@@ -324,7 +324,7 @@ class _Builder:
             value = str(value)
             if attr.choices and value not in attr.choices:
                 raise SpecError(loc, f"'{attr.name}' must be one of {', '.join(attr.choices)}, got '{value}'",
-                                did_you_mean(value, attr.choices))
+                                did_you_mean(value, attr.choices, listed=True))
         elif attr.type == "int_list":
             if not isinstance(value, list) or not value:
                 raise SpecError(loc, f"'{attr.name}' must be a non-empty list of integers, got {_kind(value)}")
