@@ -182,6 +182,9 @@ def _remove(paths) -> None:
 def _check_output(prefix: str) -> None:
     """PREFIX.bin and PREFIX.idx are written only where nothing is, or where specc wrote them."""
     hint = "move it away or choose another --output-prefix"
+    if not prefix:
+        raise DataError("--output-prefix is empty; the prefix names the files PREFIX.bin and PREFIX.idx "
+                        "(e.g. ./corpus_text_document)")
     if not os.path.basename(prefix) or os.path.isdir(prefix):
         raise DataError(f"--output-prefix {prefix}: a directory; the prefix names the files PREFIX.bin and "
                         f"PREFIX.idx (e.g. {os.path.join(prefix.rstrip('/') or '.', 'corpus_text_document')})")

@@ -61,6 +61,8 @@ def test_bad_input_is_one_clear_error_and_leaves_nothing(tmp_path):
     (tmp_path / "adir").mkdir()
     with pytest.raises(DataError, match="a directory; the prefix names the files PREFIX.bin and PREFIX.idx"):
         prepare([ok], "byte", str(tmp_path / "adir"))
+    with pytest.raises(DataError, match=r"^--output-prefix is empty; the prefix names the files PREFIX.bin"):
+        prepare([ok], "byte", "")
 
 
 def test_only_its_own_files_are_replaced(tmp_path):
