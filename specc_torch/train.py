@@ -682,15 +682,16 @@ def init_process_group(backend: str) -> None:
 
 
 KILL_AT_ITER = "SPECC_TEST_KILL_AT_ITER"
+KILL_RANK = "SPECC_TEST_KILL_RANK"
 
 
 def _test_kill_hook(rank: int, world: int, restart: int):
-    """A test-only fault: with SPECC_TEST_KILL_AT_ITER=N in the environment, the last rank
-    SIGKILLs itself just before iteration N, on the first attempt only (TORCHELASTIC_RESTART_COUNT
-    0 or unset), so tests can check that `--max-restarts` resumes from the last checkpoint. Unset
-    (always, outside tests), it does nothing."""
+    """A test-only fault: with SPECC_TEST_KILL_AT_ITER=N in the environment, the last rank (or
+    rank SPECC_TEST_KILL_RANK) SIGKILLs itself just before iteration N, on the first attempt only
+    (TORCHELASTIC_RESTART_COUNT 0 or unset), so tests can check that `--max-restarts` resumes from
+    the last checkpoint. Unset (always, outside tests), it does nothing."""
     value = os.environ.get(KILL_AT_ITER)
-    if not value or restart > 0 or rank != world - 1:
+    if not value or restart > 0 or rank != int(os.environ.get(KILL_RANK, world - 1)):
         return None
     kill_at = int(value)
 
