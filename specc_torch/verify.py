@@ -176,12 +176,21 @@ def _site(graph, op) -> tuple:
     return op.out_layouts[0], value.segments, value.seq_dim
 
 
+def _holds_module(graph, op_id) -> bool:
+    from specc.ops import OPS
+    from specc.ops.base import OpKind
+
+    return type(OPS[graph.ops[op_id].kind]).constructor is not OpKind.constructor
+
+
 def _logits_module(graph):
-    """The module that produces the logits (the first input of the cross-entropy), with its site."""
+    """The module that produces the logits (the first input of the cross-entropy), with its site:
+    past conversions, and past ops that are function calls rather than modules (a soft cap on the
+    output layer's logits), whose effect the loss and gradient rows still see."""
     for op in graph.iter_ops():
         if op.kind == "cross_entropy":
             producer = graph.values[op.inputs[0]].producer
-            while producer and _converts(graph, producer):
+            while producer and (_converts(graph, producer) or not _holds_module(graph, producer)):
                 producer = graph.values[graph.ops[producer].inputs[0]].producer
             src = graph.ops.get(producer)
             if src is not None and src.attr_name:

@@ -31,6 +31,7 @@ def test_tiny_specs_verify_at_tp2_and_tp4(spec):
 @pytest.mark.parametrize("spec, tp, sp, settings", [
     ("olmo2-tiny.yaml", "2", "both", 3),  # the full-width q/k norm's all-reduces, post-norms
     ("qwen3-tiny.yaml", "2", "on", 2),  # per-head q/k norms: local, their weights' gradients partial over TP
+    ("gemma2-tiny.yaml", "2", "on", 2),  # post-sublayer norms, windows, capped scores, the logits' soft cap (no module)
 ])
 def test_new_families_verify(spec, tp, sp, settings):
     """The new norm placements end to end (`specc verify --tp 1,2,4 --sp both` passes on every
