@@ -560,7 +560,7 @@ def _check_arity(e, targets, m: ModuleDef, modules: dict, top: bool) -> None:
 
 # -- the Hugging Face mapping (`hf:`), read by specc_torch/hf and `specc hf import|export` ------------
 
-HF_KEYS = {"architecture", "config", "export_config", "import_config", "rotary", "params", "ignore"}
+HF_KEYS = {"architecture", "config", "export_config", "import_config", "import_defaults", "rotary", "params", "ignore"}
 HF_PARAM_KEYS = {"specc", "hf", "transpose", "rotary", "permute"}
 HF_ROTARY_LAYOUTS = ("rotate_half", "interleaved")
 
@@ -575,7 +575,7 @@ def _check_hf(hf, loc: Loc, value) -> None:
     if "architecture" in hf and not isinstance(hf["architecture"], str):
         raise SpecError(hf.value_loc("architecture"), f"'architecture' must be a string, got {_kind(hf['architecture'])}",
                         "the Hugging Face class, e.g. LlamaForCausalLM")
-    for key in ("config", "export_config", "import_config"):
+    for key in ("config", "export_config", "import_config", "import_defaults"):
         if key in hf:
             _hf_config(hf[key], hf.value_loc(key), key, value)
     if "rotary" in hf:

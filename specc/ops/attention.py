@@ -40,12 +40,16 @@ def _rope_key(key: str, scalings: tuple = ()):
 
 def _windows(config, n):
     """Per layer: Hugging Face's sliding_window where layer_types says sliding_attention (or
-    everywhere without layer_types), none where it says full_attention or use_sliding_window is off;
-    another layer type (chunked attention...) is asked for by its name, which no op models."""
+    everywhere without layer_types), none where it says full_attention (or the older "attention")
+    or use_sliding_window is off; another layer type (chunked attention...) is asked for by its
+    name, which no op models. A list shorter than the layers (a mapping's import_defaults: the
+    pattern transformers fills in for older files) repeats."""
     window = config.get("sliding_window")
     types = config.get("layer_types")
-    if isinstance(types, list) and len(types) == n:
-        return [window if t == "sliding_attention" else None if t == "full_attention" else t for t in types]
+    if isinstance(types, list) and types and len(types) <= n:
+        full = ("full_attention", "attention")
+        return [window if t == "sliding_attention" else None if t in full else t
+                for t in (types[i % len(types)] for i in range(n))]
     if config.get("use_sliding_window") is False:
         return [None] * n
     return [window] * n if "sliding_window" in config else None

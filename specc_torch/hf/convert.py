@@ -270,7 +270,9 @@ def import_hf(hf_dir: str, spec_path: str, out: str, overrides: dict | None = No
     bound = bind(mapping, params, spec.name)
     config = read_hf_config(hf_dir)
     check_config(mapping, config, hf_dir, spec.name)
-    check_modeled(graph, config, hf_dir, spec.name)
+    # the ops read what transformers would: the architecture's defaults where config.json is silent
+    defaults = {k: v for k, v in mapping.import_defaults.items() if config.get(k) is None}
+    check_modeled(graph, {**config, **defaults}, hf_dir, spec.name)
     source = _SafetensorsDir(hf_dir)
 
     tensors, used = {}, set()

@@ -6,6 +6,7 @@ the parameters of the compiled model.
       config: {num_attention_heads: "${num_attention_heads}", ...}   # written on export, checked on import
       export_config: {max_position_embeddings: "${seq_length}"}      # written on export only
       import_config: {rope_theta: "${rotary_base}"}                  # checked on import only
+      import_defaults: {layer_types: [sliding_attention, full_attention]}  # what transformers assumes where config.json is silent
       rotary: {layout: rotate_half}                                  # HF's q/k row order (or interleaved)
       params:
         - {specc: embedding.weight, hf: model.embed_tokens.weight}
@@ -54,6 +55,7 @@ class Mapping:
     config: dict  # evaluated against the spec's config
     export_config: dict
     import_config: dict
+    import_defaults: dict  # config.json keys older files leave out, as transformers fills them in
     rotary_layout: str  # "rotate_half" | "interleaved"
     rotary_head_dim: int | None
     entries: list = field(default_factory=list)
@@ -118,6 +120,7 @@ def mapping_of(spec) -> Mapping:
         config=_evaluate(hf.get("config") or {}, loc, spec),
         export_config=_evaluate(hf.get("export_config") or {}, loc, spec),
         import_config=_evaluate(hf.get("import_config") or {}, loc, spec),
+        import_defaults=_evaluate(hf.get("import_defaults") or {}, loc, spec),
         rotary_layout=str(rotary.get("layout", "rotate_half")),
         rotary_head_dim=_evaluate(rotary["head_dim"], loc, spec) if "head_dim" in rotary else None,
         entries=entries,

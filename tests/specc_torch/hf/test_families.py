@@ -185,3 +185,22 @@ def test_gemma2_parity_has_teeth(imported, key, value, what):
     expected_logits, expected_loss = imported["gemma2"][2]
     diff = {"logits": (logits - expected_logits).abs().max().item(), "loss": (loss - expected_loss).abs().max().item()}
     assert diff[what] > 100 * TOL, diff
+
+
+def test_gemma2_files_without_layer_types_import_with_the_mappings_default(imported, tmp_path):
+    """The released Gemma 2 config.json files predate layer_types (transformers fills in the
+    alternating pattern): import reads the mapping's import_defaults for it."""
+    import json
+    import shutil
+
+    hf_dir = str(tmp_path / "hf")
+    shutil.copytree(imported["gemma2"][0], hf_dir)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    del config["layer_types"]
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    import_hf(hf_dir, FAMILIES["gemma2"], str(tmp_path / "ckpt"))
+    graph = model_params(FAMILIES["gemma2"], with_graph=True)[3]
+    with pytest.raises(HFError, match="asks for sliding_window = 4, but spec gemma2_tiny models none at layers.1"):
+        check_modeled(graph, config, "x", "gemma2_tiny")  # without the default: sliding everywhere, as Mistral's
