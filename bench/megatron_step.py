@@ -450,7 +450,9 @@ longest): issued alone, one after another, against the time the step waits on th
 calls, and the wait() of the async ones: the input-gradient all-reduce / reduce-scatter runs
 during the weight-gradient GEMM, the sequence-parallel re-gather during the input-gradient
 GEMM). "hidden" = 1 - waited / alone; it is negative when waiting also absorbs the other rank
-being late.
+being late. Where every core runs a rank (2 ranks on 2 cores here), gloo's socket transfers need
+the very cores the GEMMs use, so an async collective only takes turns with the GEMM it was to hide
+behind; hiding needs a spare core or a NIC/NVLink engine doing the transfer (NCCL on GPUs).
 
 {table}
 """
