@@ -38,7 +38,30 @@ class CommRecord:
     bytes: int  # per rank, see CommCounter
 
 
-class CommCounter:
+class _WhileActive:
+    """A context manager on a process-wide stack of its class's active instances, guarded by a
+    lock rather than a contextvar: autograd may run backward on its own threads (one per CUDA
+    device), which do not see the caller's contextvars, and backward collectives must count. An
+    instance leaves the stack on exit, so nothing leaks between uses."""
+
+    _active: list = []
+    _lock = threading.Lock()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._active, cls._lock = [], threading.Lock()  # each kind its own stack
+
+    def __enter__(self):
+        with type(self)._lock:
+            type(self)._active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with type(self)._lock:
+            type(self)._active.remove(self)
+
+
+class CommCounter(_WhileActive):
     """Records every collective issued while it is active.
 
     bytes per rank: all_reduce counts its input, all_gather its output (the gathered
@@ -46,27 +69,10 @@ class CommCounter:
     uneven splits, what this rank sends; the part kept for itself included); a point-to-point exchange
     (send_recv) records one "send" with the sent tensor and one "recv" with the
     received tensor, each on the rank that issues it.
-
-    Active counters live on a process-wide stack guarded by a lock rather than in a
-    contextvar: autograd may run backward on its own threads (one per CUDA device),
-    which do not see the caller's contextvars, and backward collectives must count.
-    A counter is removed from the stack on exit, so nothing leaks between uses.
     """
-
-    _active: list[CommCounter] = []
-    _lock = threading.Lock()
 
     def __init__(self) -> None:
         self.records: list[CommRecord] = []
-
-    def __enter__(self) -> CommCounter:
-        with CommCounter._lock:
-            CommCounter._active.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with CommCounter._lock:
-            CommCounter._active.remove(self)
 
     def totals(self) -> dict[str, tuple[int, int]]:
         """kind -> (count, bytes per rank)."""
@@ -85,27 +91,15 @@ class CommCounter:
                 counter.records.append(record)
 
 
-class CommTimer:
+class CommTimer(_WhileActive):
     """Times, while active, how long this rank waits on every collective: a blocking call's
     duration, or for an async one (async_op=True) the time its wait() blocks; what overlapped
     with computation does not show. `replay()` then issues the same collectives (kind, group,
     bytes) alone, one after another, to time what they cost when nothing hides them: the bench's
     fraction of collective time hidden is 1 - exposed / alone."""
 
-    _active: list[CommTimer] = []
-    _lock = threading.Lock()
-
     def __init__(self) -> None:
         self.records: list[tuple[CommRecord, Group, float]] = []  # (what, its group, seconds waited)
-
-    def __enter__(self) -> CommTimer:
-        with CommTimer._lock:
-            CommTimer._active.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with CommTimer._lock:
-            CommTimer._active.remove(self)
 
     def exposed_seconds(self) -> float:
         return sum(seconds for _, _, seconds in self.records)
