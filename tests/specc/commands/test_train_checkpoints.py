@@ -79,7 +79,8 @@ def test_max_restarts_resumes_a_killed_rank_from_the_last_checkpoint(specc, corp
     code, out, err = specc("train", GPT_TINY, *flags, *buffered, "--max-restarts", "1", "--save", tmp_path / "b",
                            "--run-dir", tmp_path / "b")
     assert code == 0, out + err[-3000:]
-    assert "--max-restarts 1" in err and "exitcode: -9" in err  # torchrun saw rank 0 die of SIGKILL
+    assert "launching 2 ranks: torchrun --nproc-per-node 2 --nnodes 1 --max-restarts 1 -m specc_torch.train" in err
+    assert "exitcode: -9" in err  # torchrun saw rank 0 die of SIGKILL
     assert f"elastic restart 1: resuming from {tmp_path / 'b'}" in out
     assert f"loaded checkpoint {tmp_path / 'b' / 'step_0000002'} at iteration 2" in out
     killed = [(r["iteration"], r["loss"]) for r in _train_records(tmp_path / "b")]
