@@ -5,7 +5,9 @@ Inputs are sequence-first [s, b, heads * head_dim]; head counts are per rank
 Dropout runs on the "tensor-parallel" RNG stream: each rank owns different heads.
 With a context-parallel group `cp` of size > 1 the inputs are this rank's load-balanced
 sequence chunks and attention runs over the whole sequence through
-runtime.context_parallel (comm type "p2p" ring or "all_gather"; backends sdpa and unfused).
+runtime.context_parallel (comm type "p2p" ring or "all_gather"; backends sdpa and unfused),
+with the same window, soft-cap and document masks by global position (document ids stay the
+whole sequence's [b, S]).
 """
 
 from __future__ import annotations
@@ -58,9 +60,6 @@ class CoreAttention(nn.Module):
             raise ValueError(f"attention window must be >= 1 token, got {window}")
         if softcap is not None and softcap <= 0:
             raise ValueError(f"attention softcap must be > 0, got {softcap}")
-        if self.cp.size > 1 and (window is not None or softcap is not None):
-            raise ValueError("context parallelism runs the plain causal or bidirectional mask: a sliding window "
-                             "or a soft-capped score is not supported at cp > 1")
         if backend in ("flash", "te") and (window is not None or softcap is not None or scale is not None):
             raise ValueError(f"backend {backend!r} is not wired for a window, soft-cap or custom scale; use 'sdpa'")
         self.window, self.softcap = window, softcap
@@ -76,10 +75,11 @@ class CoreAttention(nn.Module):
         """`document_ids` [b, s] (any integers): a token attends only to tokens of its own
         document, so packed documents or padding (give pads their own id) do not mix."""
         s, b = q.shape[0], q.shape[1]
-        if document_ids is not None and (self.cp.size > 1 or self.backend in ("flash", "te")):
-            raise ValueError("document ids (a padding mask) need the sdpa or unfused backend at cp = 1")
-        if document_ids is not None and tuple(document_ids.shape) != (b, s):
-            raise ValueError(f"document_ids must be [b, s] = [{b}, {s}], got {tuple(document_ids.shape)}")
+        if document_ids is not None and self.backend in ("flash", "te"):
+            raise ValueError("document ids (a padding mask) need the sdpa or unfused backend")
+        if document_ids is not None and tuple(document_ids.shape) != (b, s * self.cp.size):
+            raise ValueError(f"document_ids must be [b, s] = [{b}, {s * self.cp.size}] (the whole sequence's, "
+                             f"also under context parallelism), got {tuple(document_ids.shape)}")
         q4 = _heads(q, self.num_heads, self.head_dim, "q")
         k4 = _heads(k, self.num_kv_heads, self.head_dim, "k")
         v4 = _heads(v, self.num_kv_heads, self.head_dim, "v")
@@ -90,7 +90,8 @@ class CoreAttention(nn.Module):
                 return context_parallel_attention(
                     q, k, v, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                     cp=self.cp, comm_type=self.cp_comm_type, causal=self.causal, dropout_p=p, softmax_scale=self.scale,
-                    rng_tracker=self.rng_tracker, tp=self.tp)
+                    rng_tracker=self.rng_tracker, tp=self.tp, window=self.window, softcap=self.softcap,
+                    document_ids=document_ids)
             if self.backend == "te":
                 return self.te_attention(q4, k4, v4)  # sbhd in, [s, b, nh * d] out
             if self.backend == "flash":

@@ -15,11 +15,21 @@ Attention over the CP group (`context_parallel_attention`), two comm types:
   dK/dV accumulators one step behind them (N exchanges). With a causal mask no fully masked
   block is computed: step 0 is the local causal block; K/V from an earlier rank is seen by
   all local queries but only through its first chunk; K/V from a later rank is seen only by
-  the second local query chunk, through both its chunks -- all without a mask.
+  the second local query chunk, through both its chunks -- all without a mask. Under a sliding
+  window or document ids each step's blocks are cut by chunk pairs instead: a (query chunk,
+  key chunk) pair wholly outside the causal mask or the window is skipped (with W below the
+  chunk length a query chunk meets at most two key chunks), the rest computed with a mask
+  built from the global positions (and the documents); K/V still go all the way round.
 * ``all_gather`` (Llama 3): K and V are all-gathered over CP (backward: dK and dV
   reduce-scattered); local queries attend to the whole sequence with a mask built from
   global positions. The gathered K/V stay in gathered (rank) order: softmax does not depend
-  on the order of the keys, only the mask does, and it is built from their positions.
+  on the order of the keys, only the mask does, and it is built from their positions. It
+  computes every (query, key) pair, masked ones included, and keeps the mask for backward.
+
+Both take the masks CoreAttention takes at cp = 1, by global position: a sliding window,
+soft-capped scores (C * tanh(scores / C) before the mask; backward recomputes the tanh), and
+document ids [b, S] of the whole sequence (every CP rank holds the model's inputs whole: the
+queries' ids are looked up at the rank's positions, the keys' at theirs; nothing travels).
 
 Only KV heads travel (GQA: num_kv_heads <= num_heads; query head i reads KV head
 i // (num_heads / num_kv_heads)). Softmax and its statistics are computed in at least fp32;
@@ -131,6 +141,9 @@ def context_parallel_attention(
     softmax_scale: float | None = None,
     rng_tracker=None,
     tp: Group | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention of this rank's load-balanced chunks against the full sequence.
 
@@ -138,6 +151,12 @@ def context_parallel_attention(
     (heads already TP-local, s_local = S / cp.size, even) -> [s_local, b, num_heads * head_dim]
     in q's dtype. Causal by global position, or bidirectional. `dropout_p` > 0 draws masks as
     the module docstring says; pass the RNGTracker (and tp) for its TP-invariant mode.
+
+    Masks by global position, as CoreAttention's at cp = 1: `window` W keeps the keys j with
+    i - W < j <= i (causal) or |i - j| < W (bidirectional); `softcap` C turns the scores into
+    C * tanh(scores / C) before the mask; `document_ids` [b, S] -- the WHOLE sequence's, in
+    natural order, as every CP rank holds the model's inputs -- keeps each query within its
+    document (no gradient).
     """
     if comm_type not in COMM_TYPES:
         raise ValueError(f"context-parallel comm type must be one of {COMM_TYPES}, got {comm_type!r}")
@@ -153,10 +172,19 @@ def context_parallel_attention(
         raise ValueError(f"a context-parallel rank holds 2 chunks: the local sequence length {s} must be even")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
+    if window is not None and window < 1:
+        raise ValueError(f"attention window must be >= 1 token, got {window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"attention softcap must be > 0, got {softcap}")
+    if document_ids is not None and tuple(document_ids.shape) != (b, s * cp.size):
+        raise ValueError(f"document_ids must be the whole sequence's [b, S] = [{b}, {s * cp.size}] on every CP "
+                         f"rank, got {tuple(document_ids.shape)}")
     cfg = _Config(
         cp=cp, causal=causal, heads=num_heads, kv_heads=num_kv_heads, head_dim=head_dim,
         scale=1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale),
         dropout=_dropout_for(q, dropout_p, cp, rng_tracker, tp or Group.single("tp"), num_heads, num_kv_heads),
+        window=window, softcap=None if softcap is None else float(softcap),
+        document_ids=None if document_ids is None else document_ids.detach(),
     )
     fn = _RingAttention if comm_type == "p2p" else _AllGatherAttention
     return fn.apply(q, k, v, cfg)
@@ -171,6 +199,14 @@ class _Config:
     head_dim: int
     scale: float
     dropout: _BlockDropout
+    window: int | None = None
+    softcap: float | None = None
+    document_ids: torch.Tensor | None = None  # [b, S], natural order
+
+    @property
+    def masks_by_position(self) -> bool:
+        """A mask beyond the plain causal one: the ring then builds one per block."""
+        return self.window is not None or self.document_ids is not None
 
 
 class _BlockDropout:
@@ -238,22 +274,31 @@ def _from_kv_heads(x: torch.Tensor, dtype) -> torch.Tensor:
     return x.permute(2, 0, 1, 3).reshape(s, b, big_g * d).to(dtype)
 
 
-def _block_forward(q, k, v, scale, masked, keep, p):
-    """One block: q [b,G,g,sq,d], k/v [b,G,1,sk,d] -> (out [b,G,g,sq,d], lse [b,G,g,sq])."""
+def _block_forward(q, k, v, scale, masked, keep, p, softcap=None, empty_rows=False):
+    """One block: q [b,G,g,sq,d], k/v [b,G,1,sk,d] -> (out [b,G,g,sq,d], lse [b,G,g,sq]).
+    `empty_rows`: the mask may hide every key of a row (a window, documents): its lse is -inf
+    and its output 0, not NaN."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:  # Gemma 2: C * tanh(scores / C), before the mask
+        scores = torch.tanh(scores / softcap) * softcap
     if masked is not None:
         scores = scores.masked_fill(masked, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    probs = torch.exp(scores - (_finite(lse) if empty_rows else lse).unsqueeze(-1))
     if keep is not None:
         probs = probs * keep.to(probs.dtype) * (1.0 / (1.0 - p))
     return torch.matmul(probs, v), lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale, masked, keep, p):
+def _block_backward(q, k, v, dout, lse, delta, scale, masked, keep, p, softcap=None):
     """Flash-attention backward of one block from the FINAL lse and delta = rowsum(dout * out):
-    returns dq [b,G,g,sq,d], dk and dv [b,G,sk,d]."""
+    returns dq [b,G,g,sq,d], dk and dv [b,G,sk,d]. (Every row's final lse is finite: a query
+    always sees its own position.)"""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    capped = None
+    if softcap is not None:
+        capped = torch.tanh(scores / softcap)
+        scores = capped * softcap
     if masked is not None:
         scores = scores.masked_fill(masked, float("-inf"))
     probs = torch.exp(scores - lse.unsqueeze(-1))  # the block's part of the full softmax
@@ -265,9 +310,16 @@ def _block_backward(q, k, v, dout, lse, delta, scale, masked, keep, p):
         dropped = probs
     dv = torch.matmul(dropped.transpose(-1, -2), dout).sum(2)
     dscores = probs * (dprobs - delta.unsqueeze(-1)) * scale
+    if capped is not None:  # d/dx C tanh(x / C) = 1 - tanh^2
+        dscores = dscores * (1.0 - capped * capped)
     dq = torch.matmul(dscores, k)
     dk = torch.matmul(dscores.transpose(-1, -2), q).sum(2)
     return dq, dk, dv
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (a row that sees no key) as 0, so exp(scores - lse) is 0 there, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
 def _ring_block(step: int, rank: int, n: int, local_len: int, causal: bool, device=None):
@@ -281,6 +333,83 @@ def _ring_block(step: int, rank: int, n: int, local_len: int, causal: bool, devi
     if step <= rank:  # K/V from an earlier rank: only its first chunk is in anyone's past
         return everything, slice(0, half), None
     return slice(half, local_len), everything, None  # later rank: only our second chunk sees it
+
+
+# How a mask treats a (query chunk, key chunk) pair of the ring: no pair kept, every pair kept,
+# or some (the block is computed with a mask). specc/ops/attention.py counts FLOPs by the same rule.
+SKIP, FULL, PARTIAL = "skip", "full", "partial"
+
+
+def chunk_pair_kind(q_start: int, k_start: int, c: int, causal: bool, window: int | None) -> str:
+    """SKIP, FULL or PARTIAL for queries at global positions [q_start, q_start + c) against keys
+    [k_start, k_start + c) under the causal mask and/or a window (i - W < j <= i causal,
+    |i - j| < W bidirectional); documents are data, never skipped on."""
+    lo, hi = q_start - (k_start + c - 1), q_start + c - 1 - k_start  # the least and largest i - j
+    if causal:
+        if hi < 0:
+            return SKIP
+        nearest, farthest, full = max(lo, 0), hi, lo >= 0
+    else:
+        nearest = 0 if lo <= 0 <= hi else min(abs(lo), abs(hi))
+        farthest, full = max(abs(lo), abs(hi)), True
+    if window is not None:
+        if nearest >= window:
+            return SKIP
+        full = full and farthest < window
+    return FULL if full else PARTIAL
+
+
+def _ring_blocks(step: int, rank: int, n: int, local_len: int, causal: bool, window: int | None) -> list:
+    """[(query rows, kv rows, partial)] that ring step `step` computes under a window or
+    documents: chunk pairs wholly outside the mask are skipped (with W much smaller than the
+    chunk, a query chunk meets one or two key chunks of the 2N); a query chunk's kept key
+    chunks form one block, and the two query chunks one block when they keep the same."""
+    c = local_len // 2
+    src = (rank - step) % n
+    q_starts, k_starts = (rank * c, (2 * n - 1 - rank) * c), (src * c, (2 * n - 1 - src) * c)
+    halves = (slice(0, c), slice(c, local_len))
+    per_row = []
+    for q_start in q_starts:
+        kinds = [chunk_pair_kind(q_start, k_start, c, causal, window) for k_start in k_starts]
+        kept = tuple(i for i in (0, 1) if kinds[i] != SKIP)
+        per_row.append((kept, any(kinds[i] == PARTIAL for i in kept)))
+
+    def cols(kept):
+        return slice(0, local_len) if len(kept) == 2 else halves[kept[0]]
+
+    (kept0, partial0), (kept1, partial1) = per_row
+    if kept0 == kept1:
+        return [(slice(0, local_len), cols(kept0), partial0 or partial1)] if kept0 else []
+    return [(halves[i], cols(kept), partial) for i, (kept, partial) in enumerate(per_row) if kept]
+
+
+def _block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, cfg: _Config, by_position: bool):
+    """True where a query may not see a key: [sq, sk] from the global positions (when
+    `by_position`: the causal mask, the window), | [b, 1, 1, sq, sk] across documents; None
+    when nothing is masked."""
+    masked = None
+    if by_position and (cfg.causal or cfg.window is not None):
+        diff = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)
+        if cfg.causal:
+            masked = diff < 0
+        if cfg.window is not None:
+            far = (diff if cfg.causal else diff.abs()) >= cfg.window
+            masked = far if masked is None else masked | far
+    if cfg.document_ids is not None:
+        docs = cfg.document_ids
+        other = (docs[:, q_pos].unsqueeze(2) != docs[:, k_pos].unsqueeze(1))[:, None, None]
+        masked = other if masked is None else masked | other
+    return masked
+
+
+def _step_blocks(step: int, cfg: _Config, s: int, q_pos: torch.Tensor, device) -> list:
+    """[(query rows, kv rows, mask)] of one ring step."""
+    n, rank = cfg.cp.size, cfg.cp.rank
+    if not cfg.masks_by_position:
+        return [_ring_block(step, rank, n, s, cfg.causal, device)]
+    k_pos = _positions(s, n, (rank - step) % n, device)
+    return [(rows, cols, _block_mask(q_pos[rows], k_pos[cols], cfg, partial))
+            for rows, cols, partial in _ring_blocks(step, rank, n, s, cfg.causal, cfg.window)]
 
 
 def _wait(works) -> None:
@@ -312,26 +441,32 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])  # one message per step: [2, s, b, G*d]
         cfg.dropout.restart()
         out = lse = None
+        empty_rows = cfg.masks_by_position  # a block may hide every key of a row
+        q_pos = load_balanced_positions(s, cp, q.device) if cfg.masks_by_position else None
+        if empty_rows:  # blocks cover only some rows: merge every one into an empty result
+            out = torch.zeros(q5.shape, dtype=dtype, device=q.device)
+            lse = torch.full(q5.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
         for step in range(n):
             works, incoming = [], None
             if step < n - 1:  # start the next block's transfer; it runs during this block
                 incoming = torch.empty_like(kv)
                 works = comm.send_recv(kv, nxt_rank, incoming, prev_rank, cp, tag=_KV_TAG)
-            rows, cols, masked = _ring_block(step, rank, n, s, cfg.causal, q.device)
-            qb = q5[..., rows, :]
-            keep = cfg.dropout.keep((*qb.shape[:-1], cols.stop - cols.start), rows,
-                                    _positions(s, n, (rank - step) % n, q.device)[cols])
-            block_out, block_lse = _block_forward(qb, _kv_heads(kv[0, cols], cfg, dtype),
-                                                  _kv_heads(kv[1, cols], cfg, dtype), cfg.scale,
-                                                  masked, keep, cfg.dropout.p)
-            if out is None:
-                out, lse = block_out, block_lse
-            else:
-                old_out, old_lse = out[..., rows, :], lse[..., rows]
-                new_lse = torch.logaddexp(old_lse, block_lse)
-                out[..., rows, :] = (old_out * torch.exp(old_lse - new_lse).unsqueeze(-1)
-                                     + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
-                lse[..., rows] = new_lse
+            for rows, cols, masked in _step_blocks(step, cfg, s, q_pos, q.device):
+                qb = q5[..., rows, :]
+                keep = cfg.dropout.keep((*qb.shape[:-1], cols.stop - cols.start), rows,
+                                        _positions(s, n, (rank - step) % n, q.device)[cols])
+                block_out, block_lse = _block_forward(qb, _kv_heads(kv[0, cols], cfg, dtype),
+                                                      _kv_heads(kv[1, cols], cfg, dtype), cfg.scale,
+                                                      masked, keep, cfg.dropout.p, cfg.softcap, empty_rows)
+                if out is None:
+                    out, lse = block_out, block_lse
+                else:
+                    old_out, old_lse = out[..., rows, :], lse[..., rows]
+                    new_lse = torch.logaddexp(old_lse, block_lse)
+                    ref = _finite(new_lse) if empty_rows else new_lse
+                    out[..., rows, :] = (old_out * torch.exp(old_lse - ref).unsqueeze(-1)
+                                         + block_out * torch.exp(block_lse - ref).unsqueeze(-1))
+                    lse[..., rows] = new_lse
             _wait(works)
             if incoming is not None:
                 kv = incoming
@@ -355,6 +490,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(out.shape, dtype=dtype, device=out.device)
         kv = torch.stack([k, v])
         dkv = None  # the accumulated dK/dV of the block held in the previous step
+        q_pos = load_balanced_positions(s, cp, q.device) if cfg.masks_by_position else None
         cfg.dropout.restart()
         for step in range(n):
             works, incoming, dkv_in = [], None, None
@@ -364,20 +500,19 @@ class _RingAttention(torch.autograd.Function):
             if need_kv and step > 0:  # pass the previous block's dK/dV on; receive this block's
                 dkv_in = torch.empty_like(dkv)
                 works += comm.send_recv(dkv, nxt_rank, dkv_in, prev_rank, cp, tag=_DKV_TAG)
-            rows, cols, masked = _ring_block(step, rank, n, s, cfg.causal, q.device)
-            qb = q5[..., rows, :]
-            keep = cfg.dropout.keep((*qb.shape[:-1], cols.stop - cols.start), rows,
-                                    _positions(s, n, (rank - step) % n, q.device)[cols])
-            dq_b, dk_b, dv_b = _block_backward(qb, _kv_heads(kv[0, cols], cfg, dtype),
-                                               _kv_heads(kv[1, cols], cfg, dtype), dout5[..., rows, :],
-                                               lse[..., rows], delta[..., rows], cfg.scale, masked, keep,
-                                               cfg.dropout.p)
-            dq[..., rows, :] += dq_b
-            block_dkv = None
-            if need_kv:
-                block_dkv = torch.zeros_like(kv)
-                block_dkv[0, cols] = _from_kv_heads(dk_b, k.dtype)
-                block_dkv[1, cols] = _from_kv_heads(dv_b, k.dtype)
+            block_dkv = torch.zeros_like(kv) if need_kv else None
+            for rows, cols, masked in _step_blocks(step, cfg, s, q_pos, q.device):
+                qb = q5[..., rows, :]
+                keep = cfg.dropout.keep((*qb.shape[:-1], cols.stop - cols.start), rows,
+                                        _positions(s, n, (rank - step) % n, q.device)[cols])
+                dq_b, dk_b, dv_b = _block_backward(qb, _kv_heads(kv[0, cols], cfg, dtype),
+                                                   _kv_heads(kv[1, cols], cfg, dtype), dout5[..., rows, :],
+                                                   lse[..., rows], delta[..., rows], cfg.scale, masked, keep,
+                                                   cfg.dropout.p, cfg.softcap)
+                dq[..., rows, :] += dq_b
+                if need_kv:
+                    block_dkv[0, cols] += _from_kv_heads(dk_b, k.dtype)
+                    block_dkv[1, cols] += _from_kv_heads(dv_b, k.dtype)
             _wait(works)
             if need_kv:
                 dkv = block_dkv if dkv_in is None else block_dkv.add_(dkv_in)
@@ -406,13 +541,16 @@ class _AllGatherAttention(torch.autograd.Function):
         q5 = _q_heads(q, cfg, dtype)
         key_positions = _gathered_positions(s, n, q.device)
         masked = None
-        if cfg.causal:
+        if cfg.masks_by_position:
+            masked = _block_mask(load_balanced_positions(s, cp, q.device), key_positions, cfg, True)
+        elif cfg.causal:
             masked = key_positions.unsqueeze(0) > load_balanced_positions(s, cp, q.device).unsqueeze(1)
         _wait(works)
         cfg.dropout.restart()
         keep = cfg.dropout.keep((*q5.shape[:-1], n * s), slice(0, s), key_positions)
+        # every query sees its own position among all keys: no row is empty
         out, lse = _block_forward(q5, _kv_heads(k_all, cfg, dtype), _kv_heads(v_all, cfg, dtype),
-                                  cfg.scale, masked, keep, cfg.dropout.p)
+                                  cfg.scale, masked, keep, cfg.dropout.p, cfg.softcap)
         ctx.cfg, ctx.masked = cfg, masked
         result = _from_q_heads(out, q.dtype)
         ctx.save_for_backward(q, k_all, v_all, *_saved_output(ctx, out, result), lse)
@@ -430,7 +568,8 @@ class _AllGatherAttention(torch.autograd.Function):
         keep = cfg.dropout.keep((*q5.shape[:-1], k_all.shape[0]), slice(0, s),
                                 _gathered_positions(s, cfg.cp.size, q.device))
         dq, dk_all, dv_all = _block_backward(q5, _kv_heads(k_all, cfg, dtype), _kv_heads(v_all, cfg, dtype),
-                                             dout5, lse, delta, cfg.scale, ctx.masked, keep, cfg.dropout.p)
+                                             dout5, lse, delta, cfg.scale, ctx.masked, keep, cfg.dropout.p,
+                                             cfg.softcap)
         dk = dv = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             full_dk = _from_kv_heads(dk_all, k_all.dtype).contiguous()  # a view when there is one kv head

@@ -19,6 +19,11 @@ from runtime import comm, mappings
 from runtime.attention import CoreAttention
 from runtime.comm import CommCounter
 from runtime.context_parallel import (
+    FULL,
+    PARTIAL,
+    SKIP,
+    _ring_blocks,
+    chunk_pair_kind,
     context_parallel_attention,
     get_batch_on_this_cp_rank,
     load_balanced_positions,
@@ -95,6 +100,45 @@ def test_one_rank_cp_attention_is_plain_attention(comm_type):
         grads = torch.autograd.grad(out, (q, k, v), dout.float())
         for g, r in zip(grads, torch.autograd.grad(ref, leaves, dout)):
             close_to(g, r, "grad")
+
+
+def _allowed(q_pos, k_pos, causal, window):
+    """The CP=1 mask of runtime.attention.CoreAttention, by explicit positions (True: attend)."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    allowed = torch.ones(diff.shape, dtype=torch.bool)
+    if causal:
+        allowed &= diff >= 0
+    if window is not None:
+        allowed &= diff.abs() < window
+    return allowed
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_blocks_cover_exactly_what_the_mask_keeps(n):
+    """Every rank, every step, every mask: the blocks the ring computes cover each kept (query,
+    key) pair once, skip only chunk pairs with none kept, and a block left unmasked keeps all."""
+    c = 3
+    for causal in (True, False):
+        for window in (None, 1, 2, 3, 4, 7, 100):
+            for rank in range(n):
+                q_pos = load_balanced_positions(2 * c, fake_cp(n, rank))
+                for step in range(n):
+                    k_pos = load_balanced_positions(2 * c, fake_cp(n, (rank - step) % n))
+                    allowed = _allowed(q_pos, k_pos, causal, window)
+                    covered = torch.zeros(2 * c, 2 * c, dtype=torch.int64)
+                    for rows, cols, partial in _ring_blocks(step, rank, n, 2 * c, causal, window):
+                        covered[rows, cols] += 1
+                        assert partial or allowed[rows, cols].all(), (n, causal, window, rank, step)
+                    what = (n, causal, window, rank, step)
+                    assert covered.max() <= 1, what  # no pair twice
+                    assert not (allowed & (covered == 0)).any(), what  # nothing kept is skipped
+                    for qi in (0, 1):  # a chunk pair computed has something kept
+                        for ki in (0, 1):
+                            block = (slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c))
+                            assert not covered[block].any() or allowed[block].any(), what
+    assert chunk_pair_kind(8, 0, 4, True, 3) == SKIP and chunk_pair_kind(4, 0, 4, True, None) == FULL
+    assert chunk_pair_kind(4, 0, 4, True, 4) == PARTIAL and chunk_pair_kind(0, 8, 4, False, 5) == SKIP
+    assert chunk_pair_kind(0, 4, 4, True, None) == SKIP and chunk_pair_kind(0, 8, 4, False, 6) == PARTIAL
 
 
 def test_cp_argument_checks():
@@ -288,6 +332,46 @@ def _dropout_case(pg, comm_type):
         assert math.isclose(numeric, analytic, rel_tol=1e-7, abs_tol=1e-9), (what, name, numeric, analytic)
 
 
+def _documents(S, seed):
+    """[B, S] document ids: each row cut at random points into documents of unequal lengths."""
+    g = torch.Generator().manual_seed(seed)
+    starts = (torch.rand(B, S, generator=g) < 0.3).long()
+    starts[:, 0] = 1
+    return starts.cumsum(1)
+
+
+MASKS = [  # (causal, window, softcap, documents): a window below, equal to and above the chunk
+    (True, 3, None, False), (True, 4, 1.5, True), (False, 5, 2.0, False), (False, None, None, True),
+    (True, None, 1.5, False), (False, 2, None, True),
+]
+
+
+def _masked_case(pg, comm_type, causal, window, softcap, documents):
+    """Windows, soft-capped scores and documents by global position vs CP=1's CoreAttention in
+    fp64 (its own mask): out and every gradient, both comm types."""
+    tp, cp, n = pg.tp, pg.cp, pg.cp.size
+    (nh, ng), S = KV_HEADS, 8 * n
+    nh_l, ng_l, s = nh // tp.size, ng // tp.size, S // n
+    pos = load_balanced_positions(s, cp)
+    full = [seeded(60 + i, S, B, m * D).float() for i, m in enumerate((nh, ng, ng))]
+    local_heads = [t.view(S, B, m, D)[:, :, tp.rank * (m // tp.size):(tp.rank + 1) * (m // tp.size)]
+                   .reshape(S, B, -1) for t, m in zip(full, (nh, ng, ng))]
+    docs = _documents(S, 7) if documents else None
+    ref_leaves = [t.double().requires_grad_(True) for t in local_heads]
+    ref = CoreAttention(nh_l, ng_l, D, causal=causal, window=window, softcap=softcap, backend="unfused")(
+        *ref_leaves, docs)
+    q, k, v = (t[pos].clone().requires_grad_(True) for t in local_heads)
+    out = CoreAttention(nh_l, ng_l, D, causal=causal, window=window, softcap=softcap, cp=cp,
+                        cp_comm_type=comm_type)(q, k, v, docs)
+    what = f"cp={n} tp={tp.size} {comm_type} causal={causal} window={window} softcap={softcap} docs={documents}"
+    close_to(out, ref.detach()[pos], f"{what} out")
+    dout = seeded(70, S, B, nh_l * D)
+    out.backward(dout[pos].float())
+    ref.backward(dout)
+    for name, got, leaf in zip("qkv", (q.grad, k.grad, v.grad), ref_leaves):
+        close_to(got, leaf.grad[pos], f"{what} d{name}")
+
+
 def _check_attention(rank, world, tp_size, with_dropout):
     pg = ProcessGroups.initialize(tp=tp_size, cp=world // tp_size)
     try:
@@ -297,6 +381,8 @@ def _check_attention(rank, world, tp_size, with_dropout):
                     _attention_case(pg, causal, heads, comm_type)
             if with_dropout:
                 _dropout_case(pg, comm_type)
+            for mask in MASKS:
+                _masked_case(pg, comm_type, *mask)
     finally:
         pg.destroy()
 
