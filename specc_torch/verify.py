@@ -125,6 +125,10 @@ def _data(cfg: VerifyConfig, inputs: list, step: int, dp_rank: int = 0) -> list:
     for _name, shape, dtype, high in inputs:
         if high is None:
             out.append(torch.randn(shape, generator=g).to(dtype))
+        elif high == DOCUMENTS:  # packed documents: each row cut at random points, unequal lengths
+            starts = torch.rand(shape, generator=g) < 0.25
+            starts[..., 0] = True
+            out.append(starts.long().cumsum(-1).to(dtype))
         else:
             out.append(torch.randint(0, high, shape, generator=g).to(dtype))
     return out
@@ -135,16 +139,36 @@ def _model_inputs(spec, graph) -> list:
     Integer inputs are drawn below `high`, the smallest range an op that indexes with them accepts:
     an embedding's rows, the cross-entropy's vocabulary (its logits' last dim) for its labels. An
     integer input no op indexes with (read for its shape, like positions) is drawn below its last
-    dim. Float inputs are drawn from a standard normal (verify runs in fp32)."""
+    dim, but attention's document ids as packed documents of random, unequal lengths (high is
+    DOCUMENTS). Float inputs are drawn from a standard normal (verify runs in fp32)."""
     out = []
     for inp, value_id in zip(spec.inputs, graph.inputs):
         dtype = _TORCH_DTYPES[graph.values[value_id].dtype]
         high = None
         if not dtype.is_floating_point:
             bounds = _index_bounds(graph, value_id)
-            high = min(bounds) if bounds else inp.shape[-1]
+            high = min(bounds) if bounds else DOCUMENTS if _document_ids(graph, value_id) else inp.shape[-1]
         out.append((inp.name, tuple(inp.shape), dtype, high))
     return out
+
+
+DOCUMENTS = "documents"
+
+
+def _document_ids(graph, value_id: str) -> bool:
+    """Does the input reach an attention's 4th input (document ids), through layout conversions?"""
+    todo, seen = [value_id], set()
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for op in graph.users(v):
+            if op.kind == "boundary":
+                todo += op.outputs
+            elif op.kind == "core_attention" and op.inputs[3:] == [v]:
+                return True
+    return False
 
 
 def _index_bounds(graph, value_id: str) -> list:

@@ -168,12 +168,6 @@ class CoreAttention(OpKind):
         need_divisible(self.kv_heads(attrs), ctx.tp, "num_kv_heads", locs.get("num_kv_heads", locs.get("num_heads")))
         if attrs.get("window") and attrs.get("window_pattern"):
             raise SpecError(locs.get("window_pattern"), "give window or window_pattern, not both")
-        if ctx.cp > 1:
-            for key in ("window", "window_pattern", "softcap"):
-                if attrs.get(key):
-                    raise SpecError(locs.get(key), f"{key} is not supported with context parallelism (cp={ctx.cp}): "
-                                    "the CP attention masks by causal position only",
-                                    "compile with --context-parallel-size 1")
 
     def hf_knobs(self):
         def bidirectional(config, n):
@@ -206,11 +200,6 @@ class CoreAttention(OpKind):
         pattern = attrs["window_pattern"]
         return {**attrs, "window": pattern[layer % len(pattern)] or None}
 
-    def check_inputs(self, attrs, shapes, ctx, fail):
-        if len(shapes) == 4 and ctx.cp > 1:
-            fail(f"document ids are not supported with context parallelism (cp={ctx.cp}): "
-                 "the CP attention masks by causal position only")
-
     def out_shapes(self, attrs, shapes, fail):
         nh, ng, d = attrs["num_heads"], self.kv_heads(attrs), attrs["head_dim"]
         if nh % ng:
@@ -231,35 +220,42 @@ class CoreAttention(OpKind):
 
     def rule_cp(self, attrs, ctx):
         # S(s): this rank's two load-balanced chunks of q attend to the whole sequence's k, v,
-        # which the implementation brings in itself (ring of sends, or an all-gather)
-        return LayoutRule(allowed=("S(s)",), joined_inputs=(0, 1, 2), fixed_inputs=(None, None, None, "S(s)"))
+        # which the implementation brings in itself (ring of sends, or an all-gather). Document
+        # ids are read whole (I): the queries' at the rank's positions, the keys' at theirs
+        return LayoutRule(allowed=("S(s)",), joined_inputs=(0, 1, 2), fixed_inputs=(None, None, None, "I"))
 
-    def cp_comm_type(self, attrs, setting: str = "auto") -> tuple:
+    def cp_comm_type(self, attrs, setting: str = "auto", seq_len: int | None = None) -> tuple:
         """(p2p | all_gather, why): the spec's pin, then the flag's, then the cost model. Both move
         the same K/V bytes; the ring overlaps them with the block computations and never holds
         the full K/V, so it wins unless K/V are small next to Q (grouped-query attention), where
-        one all-gather is cheaper than N-1 latency-bound steps and the full K/V is little memory."""
+        one all-gather is cheaper than N-1 latency-bound steps and the full K/V is little memory.
+        A sliding window shorter than the sequence tips it back to the ring: the ring skips the
+        blocks outside the window, the all-gather computes every pair."""
         pinned = attrs.get("cp_comm_type", "auto")
         if pinned != "auto":
             return pinned, "pinned by the spec"
         if setting != "auto":
             return setting, "pinned by --cp-comm-type"
+        window = attrs.get("window")
+        if window and (seq_len is None or window < seq_len):
+            return "p2p", (f"a sliding window of {window}: the ring skips the blocks outside it, the all-gather "
+                           "would compute every pair")
         if self.kv_heads(attrs) < attrs["num_heads"]:
             return "all_gather", (f"grouped-query attention: K/V have {self.kv_heads(attrs)} of {attrs['num_heads']} "
                                   "heads, one all-gather beats a ring of small steps")
         return "p2p", "ring attention overlaps the K/V exchange with the block computations"
 
-    def choices(self, attrs, settings):
+    def choices(self, attrs, settings, shapes=()):
         if settings.cp == 1:
             return {}
-        kind, why = self.cp_comm_type(attrs, settings.cp_comm_type)
-        return {"cp_comm_type_resolved": kind, "cp_comm_reason": why}
+        kind, why = self.cp_comm_type(attrs, settings.cp_comm_type, shapes[0][0] if shapes else None)
+        return {"cp_comm_type_resolved": kind, "cp_comm_reason": why, "cp_size": settings.cp}
 
     def collectives(self, node, shapes_on, elt, mesh):
         n = mesh.size("cp")
         if n == 1 or node.in_layouts[0]["cp"] != "S(s)":
             return [], []
-        _, k, v = shapes_on("cp")  # local over tp (heads), full sequence
+        _, k, v = shapes_on("cp")[:3]  # local over tp (heads), full sequence
         kv = (numel(k) + numel(v)) * elt
         if node.attrs.get("cp_comm_type_resolved", "p2p") == "all_gather":
             # k and v all-gathered in forward; their gradients reduce-scattered in backward
@@ -274,23 +270,35 @@ class CoreAttention(OpKind):
         return fwd, bwd
 
     def flops(self, node, local_in, local_out, mesh):
-        """Q K^T and the probabilities times V: 2 * 2 * b * s_q * s_k * heads * head_dim forward;
-        backward 2x (dQ, dK from the scores' gradient; dV, dP from the output's). Under CP a
-        rank's queries meet the whole sequence's keys (s_k = s_q * cp). Causal: the fused
-        kernels (SDPA, flash, TE, and the CP ring whatever the impl) skip the blocks above the diagonal, so half the
-        pairs count (Megatron's convention, s^2/2; the diagonal blocks they compute in full are
-        not counted); the unfused path multiplies the whole s x s matrix and masks it, so all count."""
+        """Q K^T and the probabilities times V: 2 * 2 * b * pairs * heads * head_dim forward, over
+        the (query, key) pairs the implementation computes; backward 2x (dQ, dK from the scores'
+        gradient; dV, dP from the output's). Which pairs:
+
+        * a fused kernel on the plain causal mask (SDPA's is_causal, flash, TE) skips the tiles
+          above the diagonal: s^2/2 (Megatron's convention; the diagonal tiles it computes in
+          full are not counted); bidirectional: s^2;
+        * an explicit mask (a window or document ids at CP = 1: SDPA with attn_mask), soft-capped
+          scores or the unfused path compute every pair and mask after: s^2;
+        * under CP, cp_pairs(): the ring (p2p) computes the chunk pairs its mask does not rule
+          out (a window much shorter than the chunks keeps about two of the 2N key chunks per
+          query chunk), the all-gather its whole s_q x S rectangle. Document ids never skip a
+          block (they are data)."""
         q = local_in[0]
         s_q, b = q[0], q[1]
         heads = q[-1] // node.attrs["head_dim"]
         cp = mesh.size("cp") if node.in_layouts and node.in_layouts[0]["cp"] == "S(s)" else 1
-        pairs = s_q * s_q * cp
-        if node.attrs["causal"] and (node.impl != "unfused" or cp > 1):
-            pairs //= 2
+        a = node.attrs
+        if cp > 1:
+            pairs = cp_pairs(s_q, cp, a.get("cp_comm_type_resolved", "p2p"), a["causal"], a.get("window"))
+        else:
+            explicit = node.impl == "unfused" or a.get("softcap") or a.get("window") or len(local_in) == 4
+            pairs = s_q * s_q // (2 if a["causal"] and not explicit else 1)
         forward = 2 * 2 * b * pairs * heads * node.attrs["head_dim"]
         return forward, 2 * forward
 
     def saved_bytes(self, node, local_in, local_out, elt):
+        if node.in_layouts and node.in_layouts[0]["cp"] == "S(s)":
+            return self._cp_saved_bytes(node, local_in, local_out, elt)
         q, k, v = local_in[:3]
         s, b = q[0], q[1]
         heads = q[-1] // node.attrs["head_dim"]
@@ -310,6 +318,28 @@ class CoreAttention(OpKind):
         if node.impl != "unfused" and not a.get("softcap"):
             # fused kernels keep the output and the row log-sum-exp, never the s x s scores
             saved += [(node.outputs[0], numel(local_out[0]) * elt), (node.id + ":lse", heads * s * b * 4)]
+        return saved
+
+    def _cp_saved_bytes(self, node, local_in, local_out, elt):
+        """runtime.context_parallel keeps what flash attention keeps, whatever the backend and
+        the masks (backward recomputes each block's scores, their soft-cap and the ring's block
+        masks): q, the output and the fp32 log-sum-exp; with the ring this rank's k and v, with
+        the all-gather the gathered K and V and its one mask of the rank's queries against every
+        key, [s_q, S] bool ([b, s_q, S] with document ids). Dropout masks are drawn again."""
+        q, k, v = local_in[:3]
+        s, b = q[0], q[1]
+        heads = q[-1] // node.attrs["head_dim"]
+        a = node.attrs
+        saved = [(node.inputs[0], numel(q) * elt), (node.outputs[0], numel(local_out[0]) * elt),
+                 (node.id + ":lse", heads * s * b * 4)]
+        if a.get("cp_comm_type_resolved", "p2p") != "all_gather":
+            return saved + [(node.inputs[1], numel(k) * elt), (node.inputs[2], numel(v) * elt)]
+        n = a["cp_size"]
+        saved += [(node.id + ":k_all", numel(k) * n * elt), (node.id + ":v_all", numel(v) * n * elt)]
+        if len(local_in) == 4:
+            saved.append((node.id + ":attn_mask", b * s * s * n))
+        elif a["causal"] or a.get("window"):
+            saved.append((node.id + ":attn_mask", s * s * n))
         return saved
 
     def note(self, node):
@@ -335,3 +365,43 @@ class CoreAttention(OpKind):
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({', '.join(args)})"
+
+
+def _chunk_pair_kind(q_start: int, k_start: int, c: int, causal: bool, window) -> str:
+    """skip | full | partial: what the causal mask and/or a window (i - W < j <= i causal,
+    |i - j| < W bidirectional) keep of queries [q_start, q_start + c) against keys
+    [k_start, k_start + c). runtime.context_parallel.chunk_pair_kind decides the ring's blocks
+    by the same rule (tests/runtime/test_context_parallel.py checks they agree)."""
+    lo, hi = q_start - (k_start + c - 1), q_start + c - 1 - k_start  # the least and largest i - j
+    if causal:
+        if hi < 0:
+            return "skip"
+        nearest, farthest, full = max(lo, 0), hi, lo >= 0
+    else:
+        nearest = 0 if lo <= 0 <= hi else min(abs(lo), abs(hi))
+        farthest, full = max(abs(lo), abs(hi)), True
+    if window is not None:
+        if nearest >= window:
+            return "skip"
+        full = full and farthest < window
+    return "full" if full else "partial"
+
+
+def cp_pairs(s_local: int, n: int, comm_type: str, causal: bool, window) -> int:
+    """The (query, key) pairs one CP rank's attention computes, its queries being s_local of the
+    S = n * s_local tokens. The all-gather: s_local * S, masked pairs included. The ring: every
+    chunk pair (c = s_local / 2 tokens each side) its mask does not rule out, in full, but a
+    causal diagonal pair counted c^2/2 as the fused kernels' diagonal is (Megatron's s^2/2), so
+    the plain causal ring counts s_local * S / 2 and a window as long as the sequence the same;
+    averaged over the ranks (their counts differ by a few chunk pairs under a window)."""
+    if comm_type == "all_gather":
+        return s_local * s_local * n
+    c = s_local // 2
+    halves = 0  # in units of c^2 / 2
+    for rank in range(n):
+        for src in range(n):
+            for q_start in (rank * c, (2 * n - 1 - rank) * c):
+                for k_start in (src * c, (2 * n - 1 - src) * c):
+                    if _chunk_pair_kind(q_start, k_start, c, causal, window) != "skip":
+                        halves += 1 if causal and q_start == k_start else 2
+    return halves * c * c // (2 * n)

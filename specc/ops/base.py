@@ -187,8 +187,9 @@ class OpKind:
         for (auto, --backend)."""
         return ""
 
-    def choices(self, attrs: dict, settings) -> dict:
-        """Implementation choices made at resolve time, as attributes (name_resolved, name_reason)."""
+    def choices(self, attrs: dict, settings, shapes=()) -> dict:
+        """Implementation choices made at resolve time, as attributes (name_resolved, name_reason);
+        `shapes`: the inputs' global shapes."""
         return {}
 
     def followers(self, attrs: dict) -> list:

@@ -91,7 +91,7 @@ class MoE(OpKind):
             return LayoutRule(allowed=("I", "R", "S(s)"), accepts_reduction=True)
         return LayoutRule(fixed_inputs=("R",), fixed_outputs=("P",))
 
-    def choices(self, attrs, settings):
+    def choices(self, attrs, settings, shapes=()):
         # the op's collectives and note depend on the expert-parallel size, not a layout axis
         return {"ep_size": settings.ep, "tp_size": settings.tp}
 

@@ -43,7 +43,7 @@ def resolve(graph, settings, have=available) -> None:
             if pinned:
                 raise SpecError(where, f"{op.id}: impl '{op.impl}' {reason}", "use impl: native (or auto) on it")
             op.impl, op.impl_reason = "native", f"{op.impl} {reason}"
-        op.attrs.update(kind.choices(op.attrs, settings))
+        op.attrs.update(kind.choices(op.attrs, settings, [graph.values[v].shape for v in op.inputs]))
 
 
 def _choose(kind, requested: str, pinned: bool, where, op_id: str, have):

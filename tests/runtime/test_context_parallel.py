@@ -136,6 +136,12 @@ def test_ring_blocks_cover_exactly_what_the_mask_keeps(n):
                         for ki in (0, 1):
                             block = (slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c))
                             assert not covered[block].any() or allowed[block].any(), what
+    # the compiler counts the ring's FLOPs by its own copy of the rule (specc imports no torch)
+    from specc.ops.attention import _chunk_pair_kind
+
+    assert all(chunk_pair_kind(q0, k0, c, causal, w) == _chunk_pair_kind(q0, k0, c, causal, w)
+               for q0 in range(0, 24, 3) for k0 in range(0, 24, 3) for causal in (True, False)
+               for w in (None, 1, 2, 3, 4, 6, 7, 30))
     assert chunk_pair_kind(8, 0, 4, True, 3) == SKIP and chunk_pair_kind(4, 0, 4, True, None) == FULL
     assert chunk_pair_kind(4, 0, 4, True, 4) == PARTIAL and chunk_pair_kind(0, 8, 4, False, 5) == SKIP
     assert chunk_pair_kind(0, 4, 4, True, None) == SKIP and chunk_pair_kind(0, 8, 4, False, 6) == PARTIAL

@@ -2,15 +2,12 @@
 (tests/specc_torch/specs/attention-variants-tiny.yaml: grouped-query attention, a sliding window on
 alternate layers, a custom scale, soft-capped scores, document ids reaching every layer,
 interleaved partial rotary with llama3 scaling, logits returned beside the loss) at TP 1, 2 and 4
-with and without SP; and what context parallelism refuses, located."""
+with and without SP; and every mask under context parallelism (with mistral-tiny and bert-tiny)."""
 
 from __future__ import annotations
 
 import os
 
-import pytest
-
-from specc.errors import SpecError
 from specc_torch import api
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -35,11 +32,39 @@ def test_the_layers_get_their_own_windows():
     assert source.count("window=5") == 1  # the two layer classes, each emitted once
 
 
-@pytest.mark.parametrize("spec, message", [
-    (SPEC, "window_pattern is not supported with context parallelism (cp=2)"),
-    ("specs/bert-tiny.yaml", "document ids are not supported with context parallelism (cp=2)"),
-])
-def test_context_parallelism_refuses_what_its_attention_does_not_mask(spec, message):
-    with pytest.raises(SpecError) as e:
-        api.compile_source(os.path.join(ROOT, spec), 1, cp=2)
-    assert message in str(e.value) and e.value.loc.line
+def _verify(rank, world, cases):
+    from specc_torch.verify import VerifyConfig, _verify_all
+
+    out = []
+    for spec, tps, cps, comms in cases:
+        cfg = VerifyConfig(spec=os.path.join(ROOT, spec), tps=tps, sps=[True], cps=cps, cp_comm_types=comms, steps=1)
+        out += [(spec, row) for row in _verify_all(rank, cfg)]
+    return out
+
+
+def test_masks_verify_under_context_parallelism(gloo):
+    """Windows, soft-capped scores and document ids at CP > 1 are CP=1's function: loss, logits,
+    activations, every gradient and the weights after a step, from the initial and randomized
+    weights, and the collectives the plan counts, on one world of 4 ranks. mistral-tiny: a
+    window of 5 on 32 tokens, at CP 2 shorter than a chunk, at CP 4 longer (the ring skips
+    chunk pairs); bert-tiny: bidirectional within packed documents of unequal lengths (verify
+    draws document ids so), TP 2 x CP 2; the variants: alternating windowed and full layers,
+    soft-capped, documents, GQA (the full layers all-gather, the windowed ones ring). Both comm
+    types of every mask, at CP 2 and 4, against a dense reference: tests/runtime/test_context_parallel.py."""
+    cases = [("specs/mistral-tiny.yaml", [1], [2, 4], ["p2p"]), ("specs/bert-tiny.yaml", [2], [2], ["all_gather"]),
+             ("specs/bert-tiny.yaml", [1], [2], ["p2p"]), (SPEC, [2], [2], ["auto"])]
+    rows = gloo.run(4, _verify, cases)[0]
+    bad = [r for _, r in rows if not r.ok]
+    assert not bad, bad
+    settings = sorted({(spec, r.setting) for spec, r in rows})
+    assert settings == sorted([("specs/mistral-tiny.yaml", "tp=1 cp=2 p2p sp=off"),
+                               ("specs/mistral-tiny.yaml", "tp=1 cp=4 p2p sp=off"),
+                               ("specs/bert-tiny.yaml", "tp=2 cp=2 all_gather sp=on"),
+                               ("specs/bert-tiny.yaml", "tp=1 cp=2 p2p sp=off"), (SPEC, "tp=2 cp=2 sp=on")]), settings
+    for spec, setting in settings:  # loss, logits, activations, gradients, weights (and the variants' logits
+        # returned), collectives; the first five again from randomized weights
+        quantities = [r.quantity for s, r in rows if (s, r.setting) == (spec, setting)]
+        assert len(quantities) == (13 if spec == SPEC else 11), (setting, quantities)
+        assert "random weights: gradients (all params)" in quantities
+    counted = [r.detail for spec, r in rows if r.quantity == "collectives == plan" and spec == SPEC]
+    assert "send" in counted[0] and "reduce_scatter" in counted[0], counted  # the variants: both kinds

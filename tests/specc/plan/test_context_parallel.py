@@ -18,9 +18,25 @@ def _boundaries(graph, axis):
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True)])
 def test_activation_memory_per_rank_halves_at_cp2(compiled, name, tp, sp):
     one = build_plan(compiled(name, tp=tp, sp=sp)[1]).totals["activation_bytes"]
-    two = build_plan(compiled(name, tp=tp, sp=sp, cp=2)[1]).totals["activation_bytes"]
-    four = build_plan(compiled(name, tp=tp, sp=sp, cp=4)[1]).totals["activation_bytes"]
-    assert two * 2 == one and four * 4 == one  # everything kept for backward is per token
+    two = build_plan(compiled(name, tp=tp, sp=sp, cp=2, cp_comm_type="p2p")[1]).totals["activation_bytes"]
+    four = build_plan(compiled(name, tp=tp, sp=sp, cp=4, cp_comm_type="p2p")[1]).totals["activation_bytes"]
+    assert two * 2 == one and four * 4 == one  # with the ring everything kept for backward is per token
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_all_gather_keeps_the_gathered_kv_and_its_mask(compiled, cp):
+    """The all-gather attention keeps K and V of the whole sequence (not the rank's share) and its
+    mask of the rank's queries against every key: [s/cp, s] by position, [b, s/cp, s] with
+    document ids; the ring keeps neither (its block masks are rebuilt in backward)."""
+    def extra(name, per_layer_mask, kv, **settings):
+        plans = [build_plan(compiled(name, cp=cp, cp_comm_type=comm, dtype="fp32", micro_batch_size=b,
+                                     **settings)[1]).totals["activation_bytes"] for comm in ("all_gather", "p2p")]
+        return plans[0] - plans[1], 2 * (2 * b * kv * (s - s // cp) * 4 + per_layer_mask)
+
+    b, s = 2, 32
+    assert len(set(extra("llama-tiny.yaml", s // cp * s, 32))) == 1  # causal: 4 kv heads x 8
+    assert len(set(extra("mistral-tiny.yaml", s // cp * s, 32))) == 1  # causal, window
+    assert len(set(extra("bert-tiny.yaml", b * s // cp * s, 64))) == 1  # bidirectional, documents
 
 
 def test_only_inputs_and_outputs_cross_the_cp_axis(compiled):

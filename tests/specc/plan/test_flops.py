@@ -77,3 +77,65 @@ def test_plan_json_carries_per_op_flops_and_weight_shapes():
     assert qkv["flops"] == {"forward": 2 * 1024 * 768 * 1152, "backward": 4 * 1024 * 768 * 1152}
     assert sum((o["flops"]["forward"] + o["flops"]["backward"]) * o["count"] for o in d["ops"]) \
         == d["totals"]["flops_per_step"]
+
+
+# -- masked attention ---------------------------------------------------------------------------
+# One layer's attention FLOPs on one rank: 3 (forward + backward) * 2 * 2 * b * pairs * h (all
+# heads at TP=1), over the (query, key) pairs the implementation computes.
+ATTENTION = "modules.SelfAttention.submodules.core_attention."
+
+
+def _attention_pairs(overrides=(), **settings):
+    """(query, key) pairs one rank's attention computes per layer, from the plan's FLOPs."""
+    from specc.errors import Loc
+
+    located = [(ATTENTION + k, v, Loc("--set")) for k, v in overrides]
+    spec, graph = load_and_compile(GPT, Settings(micro_batch_size=1, **settings), located)
+    entry = next(e for e in build_plan(graph).entries if e.kind == "core_attention")
+    forward, backward = entry.flops
+    assert backward == 2 * forward and forward % (4 * spec.config["hidden_size"]) == 0
+    return forward // (4 * spec.config["hidden_size"])
+
+
+S = 1024  # gpt.yaml's sequence
+
+
+@pytest.mark.parametrize("overrides, settings, pairs", [
+    ((), {}, S * S // 2),  # causal, SDPA's is_causal: the tiles above the diagonal skipped
+    ((("causal", False),), {}, S * S),  # bidirectional
+    ((("window", 128),), {}, S * S),  # an explicit mask: SDPA computes every pair, then masks
+    ((("softcap", 30.0),), {}, S * S),  # soft-capping runs the unfused path
+    ((), {"backend": "unfused"}, S * S),
+    ((), {"cp": 2}, S * S // 4),  # the ring: each rank half of CP=1's s^2/2
+    ((), {"cp": 4, "cp_comm_type": "p2p"}, S * S // 8),
+    ((), {"cp": 2, "cp_comm_type": "all_gather"}, S * S // 2),  # the rank's queries x every key, masked after
+    ((("causal", False),), {"cp": 4}, S * S // 4),
+    # a window no longer than a chunk (c = S / 2N): a query chunk keeps its own chunk (causal:
+    # counted half, the diagonal) and the one before it: 2N halves + 2(2N - 1) whole chunk pairs
+    ((("window", 128),), {"cp": 2}, (3 * 2 - 1) * (S // 4) ** 2 // 2),
+    ((("window", 128),), {"cp": 4}, (3 * 4 - 1) * (S // 8) ** 2 // 4),
+    # bidirectional: its own chunk and both neighbours, all whole
+    ((("window", 100), ("causal", False)), {"cp": 4}, 2 * (3 * 4 - 1) * (S // 8) ** 2 // 4),
+    ((("window", S),), {"cp": 4}, S * S // 8),  # a window as long as the sequence masks nothing
+])
+def test_masked_attention_counts_the_pairs_it_computes(overrides, settings, pairs):
+    assert _attention_pairs(overrides, **settings) == pairs
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_pairs_match_a_brute_force_count(n):
+    """cp_pairs against counting, over every chunk pair of the 2N, whether any (query, key) pair in
+    it is kept (computed whole; a causal diagonal counted half), averaged over the N ranks."""
+    from specc.ops.attention import cp_pairs
+
+    c = 4
+    for causal in (True, False):
+        for window in (None, 1, 2, 3, 4, 5, 9, 100):
+            halves = 0
+            for m in range(2 * n):
+                for k in range(2 * n):
+                    kept = any((not causal or j <= i) and (window is None or abs(i - j) < window)
+                               for i in range(m * c, (m + 1) * c) for j in range(k * c, (k + 1) * c))
+                    halves += kept * (1 if causal and m == k else 2)
+            assert cp_pairs(2 * c, n, "p2p", causal, window) == halves * c * c // (2 * n), (n, causal, window)
+            assert cp_pairs(2 * c, n, "all_gather", causal, window) == 2 * c * 2 * c * n
