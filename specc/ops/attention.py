@@ -147,7 +147,8 @@ class CoreAttention(OpKind):
         Attr("head_dim", "int", required=True, minimum=1),
         Attr("causal", "bool", default=True),
         Attr("dropout", "float", default=0.0, minimum=0.0),
-        Attr("window", "int", minimum=1, doc="sliding window: each query sees the `window` latest keys, itself included"),
+        Attr("window", "int", minimum=1, doc="sliding window: each query sees the `window` latest keys, itself included; "
+             "with causal: false the keys less than `window` positions away either side (Gemma 3's bidirectional window)"),
         Attr("window_pattern", "int_list", minimum=0, doc="per layer of the enclosing repeat, cycled: the window of layer i is "
              "window_pattern[i % len], 0 for full attention (Gemma 2: [4096, 0])"),
         Attr("scale", "float", minimum=0.0, doc="the score scale; default 1/sqrt(head_dim)"),
