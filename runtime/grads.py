@@ -60,28 +60,64 @@ def finalize_model_grads(model: torch.nn.Module, pg: ProcessGroups, ddp=None) ->
 
 def _allreduce_partial_grads(model: torch.nn.Module, group: Group, axis: str) -> None:
     """Sum the parameters' gradients tagged partial on `axis` over its group, in one flat
-    buffer per dtype (one collective in the usual single-dtype model)."""
+    buffer per dtype (one collective in the usual single-dtype model). On tp the same buffer
+    also sums the replicated heads' gradients (_replica_slots)."""
     if group.size == 1:
         return
     params = [p for p in model.parameters() if p.requires_grad and axis in partial_grad_axes(p)]
-    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    replicated = [p for p in model.parameters() if p.requires_grad and axis == "tp" and _has_replicas(p)]
+    by_dtype: dict[torch.dtype, tuple[list, list]] = {}
     for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
+        by_dtype.setdefault(p.dtype, ([], []))[0].append(p)
+    for p in replicated:
+        by_dtype.setdefault(p.dtype, ([], []))[1].append(p)
     for dtype in sorted(by_dtype, key=str):  # same order on every rank
-        tagged = by_dtype[dtype]
+        tagged, with_replicas = by_dtype[dtype]
         # A parameter with no gradient on this rank contributes zeros, so every
         # rank reduces the same buffer size and none waits on a mismatch.
         grads = [_grad_of(p) for p in tagged]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        slots = [slot for p in with_replicas for slot in _replica_slots(p)]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [padded.reshape(-1) for padded, _ in slots])
         comm.all_reduce(flat, group)
-        for p, reduced in zip(tagged, flat.split([g.numel() for g in grads])):
-            reduced = reduced.view_as(p)
-            if hasattr(p, "main_grad"):  # DistributedDataParallel's fp32 buffer
-                p.main_grad.copy_(reduced)
-            elif p.grad is None:
-                p.grad = reduced.clone()
-            else:
-                p.grad.copy_(reduced)
+        pieces = flat.split([g.numel() for g in grads] + [padded.numel() for padded, _ in slots])
+        for p, reduced in zip(tagged, pieces):
+            _set_grad(p, reduced.view_as(p))
+        for (padded, copy_back), reduced in zip(slots, pieces[len(grads):]):
+            copy_back(reduced.view_as(padded))
+
+
+def _set_grad(p: torch.nn.Parameter, reduced: torch.Tensor) -> None:
+    if hasattr(p, "main_grad"):  # DistributedDataParallel's fp32 buffer
+        p.main_grad.copy_(reduced)
+    elif p.grad is None:
+        p.grad = reduced.clone()
+    else:
+        p.grad.copy_(reduced)
+
+
+def _has_replicas(p: torch.nn.Parameter) -> bool:
+    meta = getattr(p, "_specc_init", None)
+    return meta is not None and meta.replicated_units()
+
+
+def _replica_slots(p: torch.nn.Parameter) -> list:
+    """For each segment of p whose heads are replicated over TP ranks: a zero buffer of the whole
+    segment with this rank's head written in its slot, and how to copy the summed slot back.
+    Summed over TP, slot u is the sum over the replicas of head u of their partial gradients:
+    no sub-groups to create, at the price of moving the segment's full size (n heads, n < t)."""
+    meta = p._specc_init
+    if not hasattr(p, "main_grad") and p.grad is None:  # none reached it here: zeros, to receive the sum
+        p.grad = torch.zeros_like(p)
+    grad = _grad_of(p)
+    out, full_start = [], 0
+    for size, (local, start, n, reps) in zip(meta.segments, meta.pieces()):
+        if reps > 1:
+            padded = grad.new_zeros((size,) + tuple(grad.shape[1:]))
+            padded.narrow(0, start - full_start, n).copy_(grad.narrow(0, local, n))
+            mine = grad.narrow(0, local, n)
+            out.append((padded, lambda summed, mine=mine, at=start - full_start, n=n: mine.copy_(summed.narrow(0, at, n))))
+        full_start += size
+    return out
 
 
 def _allreduce_tied_grads(model: torch.nn.Module, pg: ProcessGroups) -> None:

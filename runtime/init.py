@@ -9,7 +9,7 @@ name), so TP=4 starts from exactly the TP=1 model.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,9 @@ class ParamInit:
     expert_dim: int | None = None
     ep_rank: int = 0
     ep_size: int = 1
+    # per segment, how many indivisible units (attention heads) it holds, 0 where it does not say:
+    # a segment of fewer units than TP ranks has each unit replicated (segment_piece)
+    units: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.kind not in _KINDS:
@@ -42,20 +45,75 @@ class ParamInit:
                     f"segments {list(self.segments)} do not sum to the full size "
                     f"{self.full_shape[self.shard_dim]} of dim {self.shard_dim}"
                 )
-            for size in self.segments:
-                if size % self.tp_size != 0:
-                    raise ValueError(
-                        f"segment of size {size} is not divisible by the tensor-parallel size {self.tp_size}"
-                    )
+            if self.units and len(self.units) != len(self.segments):
+                raise ValueError(f"units {list(self.units)} name {len(self.units)} segments, "
+                                 f"the parameter has {len(self.segments)}")
+            if any(self.units) and self.shard_dim != 0:
+                raise ValueError("replicated units are rows: they need shard_dim 0")
+            for size, units in zip(self.segments, self.units or (0,) * len(self.segments)):
+                check_segment(size, units, self.tp_size)
+        elif self.units:
+            raise ValueError("units apply to a sharded parameter (shard_dim)")
+
+    def pieces(self) -> list:
+        """Per segment along shard_dim: (local start, full start, length, replicas) of the rows
+        this rank holds; replicas > 1 where the segment's units are replicated over ranks."""
+        out, local, full = [], 0, 0
+        for size, units in zip(self.segments, self.units or (0,) * len(self.segments)):
+            start, n = segment_piece(size, units, self.tp_rank, self.tp_size)
+            out.append((local, full + start, n, unit_replicas(units, self.tp_size)))
+            local += n
+            full += size
+        return out
+
+    def replicated_units(self) -> bool:
+        """Does this rank hold a replica of some unit (rows other TP ranks hold too)?"""
+        return self.shard_dim is not None and any(unit_replicas(u, self.tp_size) > 1 for u in self.units)
+
+    def duplicate_rows(self) -> list:
+        """(local start, length) of the rows this rank holds as a replica other than the unit's
+        first (the gradient norm counts each unit once, on its first replica)."""
+        return [(local, n) for local, _, n, reps in self.pieces() if reps > 1 and self.tp_rank % reps]
 
     @property
     def local_shape(self) -> tuple[int, ...]:
         shape = list(self.full_shape)
         if self.shard_dim is not None:
-            shape[self.shard_dim] //= self.tp_size
+            shape[self.shard_dim] = sum(n for _, _, n, _ in self.pieces())
         if self.expert_dim is not None:
             shape[self.expert_dim] //= self.ep_size
         return tuple(shape)
+
+
+def check_segment(size: int, units: int, tp_size: int) -> None:
+    """A segment of `size` rows made of `units` indivisible units (0: any rows) can be sharded
+    over tp_size ranks: whole units per rank (units % tp_size == 0), or each unit replicated
+    (tp_size % units == 0)."""
+    if units:
+        if size % units:
+            raise ValueError(f"segment of size {size} is not a whole number of its {units} units")
+        if units % tp_size and tp_size % units:
+            raise ValueError(f"segment of {units} units is neither divisible by the tensor-parallel size "
+                             f"{tp_size} nor divides it")
+    elif size % tp_size:
+        raise ValueError(f"segment of size {size} is not divisible by the tensor-parallel size {tp_size}")
+
+
+def segment_piece(size: int, units: int, rank: int, tp_size: int) -> tuple[int, int]:
+    """(start, length) of the rows of one segment that TP rank `rank` holds. A segment of fewer
+    units (attention heads) than ranks has each unit replicated over tp_size // units
+    consecutive ranks: rank r holds unit r // (tp_size // units) (vLLM's KV-head replication);
+    otherwise it is cut into tp_size equal pieces (whole units where it has units)."""
+    if units and units < tp_size:
+        n = size // units
+        return rank // (tp_size // units) * n, n
+    n = size // tp_size
+    return rank * n, n
+
+
+def unit_replicas(units: int, tp_size: int) -> int:
+    """How many TP ranks hold each unit of a segment of `units` units (1: none replicated)."""
+    return tp_size // units if units and units < tp_size else 1
 
 
 def tag_parameter(
@@ -69,9 +127,11 @@ def tag_parameter(
     segments=None,
     ep: Group | None = None,
     expert_dim: int | None = None,
+    units=None,
 ) -> torch.nn.Parameter:
     """Attach init metadata; full_shape defaults to p's shape (a replicated parameter). An expert
-    weight names its expert dim: the full tensor holds every expert, and ep's rank keeps its block."""
+    weight names its expert dim: the full tensor holds every expert, and ep's rank keeps its block.
+    `units`: per segment, its number of indivisible units (heads), replicated when fewer than TP ranks."""
     tp = tp or Group.single("tp")
     ep = ep or Group.single("ep")
     full_shape = tuple(full_shape if full_shape is not None else p.shape)
@@ -88,6 +148,7 @@ def tag_parameter(
         expert_dim=expert_dim,
         ep_rank=ep.rank if expert_dim is not None else 0,
         ep_size=ep.size if expert_dim is not None else 1,
+        units=tuple(int(u) for u in units) if units else (),
     )
     if expert_dim is not None and full_shape[expert_dim] % ep.size:
         raise ValueError(f"{full_shape[expert_dim]} experts are not divisible by the expert-parallel size {ep.size}")
@@ -121,9 +182,7 @@ def local_slice(full: torch.Tensor, meta: ParamInit) -> torch.Tensor:
         full = full.chunk(meta.ep_size, dim=meta.expert_dim)[meta.ep_rank]
     if meta.shard_dim is None:
         return full
-    pieces = []
-    for segment in full.split(list(meta.segments), dim=meta.shard_dim):
-        pieces.append(segment.chunk(meta.tp_size, dim=meta.shard_dim)[meta.tp_rank])
+    pieces = [full.narrow(meta.shard_dim, start, n) for _, start, n, _ in meta.pieces()]
     return torch.cat(pieces, dim=meta.shard_dim)
 
 
@@ -142,8 +201,7 @@ def tie_across_stages(p: torch.nn.Parameter, name: str, *, copy: bool = False,
         setattr(p, TIED_COPY, True)
         meta = getattr(p, "_specc_init", None)
         if meta is not None and init_std is not None:
-            p._specc_init = ParamInit(meta.kind, float(init_std), meta.full_shape, meta.shard_dim, meta.segments,
-                                      meta.tp_rank, meta.tp_size)
+            p._specc_init = replace(meta, std=float(init_std))
     return p
 
 
@@ -222,11 +280,33 @@ def _gather_tp(tensor: torch.Tensor, meta: ParamInit, tp: Group) -> torch.Tensor
     with torch.no_grad():
         # Gather along dim 0 (what the collective concatenates): [t * local, ...].
         shards = mappings.gather_dim0(tensor.detach().movedim(dim, 0).contiguous(), tp)
-        per_rank = shards.chunk(tp.size, dim=0)
-        local_sizes = [size // tp.size for size in meta.segments]
-        split = [piece.split(local_sizes, dim=0) for piece in per_rank]
-        segments = [torch.cat([split[r][i] for r in range(tp.size)], dim=0) for i in range(len(local_sizes))]
+        per_rank = [piece.split(_local_sizes(meta), dim=0) for piece in shards.chunk(tp.size, dim=0)]
+        # a replicated unit is taken from its first replica (replica_mismatch compares the others)
+        segments = [torch.cat([per_rank[r][i] for r in range(0, tp.size, reps)], dim=0)
+                    for i, (_, _, _, reps) in enumerate(meta.pieces())]
         return torch.cat(segments, dim=0).movedim(0, dim).contiguous()
+
+
+def _local_sizes(meta: ParamInit) -> list:
+    return [n for _, _, n, _ in meta.pieces()]
+
+
+def replica_mismatch(tensor: torch.Tensor, p: torch.nn.Parameter, tp: Group) -> float:
+    """The largest difference between two TP ranks' copies of a replicated unit of `tensor` (p
+    itself, or p.grad): 0 where p has none. Collective over tp (every rank calls it)."""
+    meta = _meta(p)
+    if not meta.replicated_units() or tp.size == 1:
+        return 0.0
+    with torch.no_grad():
+        shards = mappings.gather_dim0(tensor.detach().movedim(meta.shard_dim, 0).contiguous(), tp)
+        per_rank = [piece.split(_local_sizes(meta), dim=0) for piece in shards.chunk(tp.size, dim=0)]
+        worst = 0.0
+        for i, (_, _, _, reps) in enumerate(meta.pieces()):
+            for r in range(tp.size):
+                if reps > 1 and r % reps:
+                    first = per_rank[r - r % reps][i]
+                    worst = max(worst, float((per_rank[r][i].float() - first.float()).abs().max()))
+        return worst
 
 
 def full_parameter(p: torch.nn.Parameter, group: Group, ep: Group | None = None) -> torch.Tensor:

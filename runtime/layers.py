@@ -15,7 +15,7 @@ from torch import nn
 from . import comm
 from .attention import CoreAttention
 from .context_parallel import load_balanced_positions
-from .init import tag_parameter
+from .init import check_segment, segment_piece, tag_parameter
 from .mappings import gather_dim0
 from .parallel_state import Group
 from .random import RNGTracker
@@ -110,6 +110,10 @@ class ColumnParallelLinear(nn.Module):
     fused slab. `weight` shares an existing parameter (tied output layer).
     `replicated=True`: a plain linear (a spec's `parallel: none`) whose whole weight every
     rank holds; its parameters are recorded as replicated, whatever the TP size.
+    `heads`: per segment, the attention heads it holds. A segment of fewer heads than TP ranks
+    (grouped-query K/V) is not cut inside a head: each head is replicated over t / heads ranks,
+    rank r holding head r // (t / heads); the replicas' weight gradients are partial (each sees
+    only its own query heads) and finalize_model_grads sums them over TP.
     """
 
     def __init__(
@@ -124,6 +128,7 @@ class ColumnParallelLinear(nn.Module):
         init_std: float = 0.02,
         weight: nn.Parameter | None = None,
         replicated: bool = False,
+        heads=None,
     ):
         super().__init__()
         if input_mode not in _INPUT_MODES:
@@ -134,23 +139,29 @@ class ColumnParallelLinear(nn.Module):
         segments = tuple(int(s) for s in (segments if segments is not None else [out_features]))
         if sum(segments) != out_features:
             raise ValueError(f"segments {list(segments)} sum to {sum(segments)}, not out_features={out_features}")
-        for size in segments:
-            _divide(size, tp.size, f"output segment of size {size}")
+        heads = tuple(int(h) for h in heads) if heads is not None else (0,) * len(segments)
+        if len(heads) != len(segments):
+            raise ValueError(f"heads {list(heads)} name {len(heads)} segments, the linear has {len(segments)}")
+        for size, n in zip(segments, heads):
+            try:
+                check_segment(size, n, tp.size)
+            except ValueError as e:
+                raise ValueError(f"output segment of size {size}: {e}") from None
         self.in_features, self.out_features = in_features, out_features
         self.tp, self.input_mode, self.segments = tp, input_mode, segments
-        local_out = out_features // tp.size
+        self.heads = heads if any(heads) else ()
+        local_out = sum(segment_piece(size, n, tp.rank, tp.size)[1] for size, n in zip(segments, heads))
+        shard = {} if replicated else {"shard_dim": 0, "segments": segments, "units": self.heads}
 
         if weight is None:
             self.weight = nn.Parameter(torch.empty(local_out, in_features))
-            tag_parameter(self.weight, "normal", tp=tp, std=init_std, full_shape=(out_features, in_features),
-                          **({} if replicated else {"shard_dim": 0, "segments": segments}))
+            tag_parameter(self.weight, "normal", tp=tp, std=init_std, full_shape=(out_features, in_features), **shard)
         else:
             self._check_shared_weight(weight, local_out)
             self.weight = weight
         if bias:
             self.bias = nn.Parameter(torch.empty(local_out))
-            tag_parameter(self.bias, "zeros", tp=tp, full_shape=(out_features,),
-                          **({} if replicated else {"shard_dim": 0, "segments": segments}))
+            tag_parameter(self.bias, "zeros", tp=tp, full_shape=(out_features,), **shard)
         else:
             self.register_parameter("bias", None)
 
@@ -163,10 +174,13 @@ class ColumnParallelLinear(nn.Module):
         meta = getattr(weight, "_specc_init", None)
         if meta is not None and self.replicated and meta.shard_dim is not None:
             raise ValueError(f"shared weight is sharded on dim {meta.shard_dim}; a replicated linear needs a replicated one")
-        if meta is not None and not self.replicated and (meta.shard_dim != 0 or meta.segments != self.segments):
+        if meta is not None and not self.replicated and (meta.shard_dim != 0 or meta.segments != self.segments
+                                                         or meta.units != self.heads):
             raise ValueError(
-                f"shared weight is sharded on dim {meta.shard_dim} with segments {list(meta.segments)}, "
+                f"shared weight is sharded on dim {meta.shard_dim} with segments {list(meta.segments)}"
+                f"{f' of heads {list(meta.units)}' if meta.units else ''}, "
                 f"expected dim 0 with segments {list(self.segments)}"
+                f"{f' of heads {list(self.heads)}' if self.heads else ''}"
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,6 +192,7 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, "
                 f"segments={list(self.segments)}, input_mode={self.input_mode}"
+                + (f", heads={list(self.heads)}" if self.heads else "")
                 + (", replicated" if self.replicated else ""))
 
 

@@ -83,7 +83,9 @@ def local_shape(shape: tuple, layout: Layout) -> tuple:
     return local_shape_dims(shape, layout, 0)
 
 
-def local_shape_dims(shape: tuple, layout: Layout, seq_dim: int | None) -> tuple:
+def local_shape_dims(shape: tuple, layout: Layout, seq_dim: int | None, segments: tuple = (),
+                     units: tuple = ()) -> tuple:
+    """`segments`, `units`: the last dim's segments and their heads (Value.units), for S(h) on tp."""
     out = list(shape)
     if not out:
         return tuple(out)
@@ -93,8 +95,27 @@ def local_shape_dims(shape: tuple, layout: Layout, seq_dim: int | None) -> tuple
         if placement == SS and seq_dim is not None:
             out[seq_dim] //= n
         elif placement == SH:
-            out[-1] //= n
+            out[-1] = sh_local_size(out[-1], n, segments, units) if axis == "tp" else out[-1] // n
     return tuple(out)
+
+
+def replicas(units: int, t: int) -> int:
+    """How many of t TP ranks hold each of a segment's `units` heads: t // units when there are
+    fewer heads than ranks (each head replicated, vLLM's num_kv_head_replicas), else 1."""
+    return t // units if units and units < t else 1
+
+
+def sh_local_size(size: int, t: int, segments: tuple = (), units: tuple = ()) -> int:
+    """The part of a last dim of `size` (cut by `segments`, each of `units` heads, 0 where
+    unknown) that one of t ranks holds on S(h): a segment of fewer heads than ranks, one head."""
+    segs = tuple(segments) or (size,)
+    if len(units) != len(segs):
+        return size // t
+    return sum(s // u if replicas(u, t) > 1 else s // t for s, u in zip(segs, units))
+
+
+def has_replicas(units: tuple, t: int) -> bool:
+    return any(replicas(u, t) > 1 for u in units)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from runtime.comm import CommCounter
 from runtime.compile import compile_layers
 from runtime.grads import finalize_model_grads
-from runtime.init import gather_full, randomize_parameters
+from runtime.init import gather_full, randomize_parameters, replica_mismatch
 from runtime.parallel_state import ProcessGroups
 from runtime.random import RNGTracker
 
@@ -195,9 +195,10 @@ def _converts(graph, op_id) -> bool:
 
 
 def _site(graph, op) -> tuple:
-    """How to gather an op's first output to full shape: (layout, segments, sequence dim)."""
+    """How to gather an op's first output to full shape: (layout, segments, sequence dim, heads)."""
     value = graph.values[op.outputs[0]]
-    return op.out_layouts[0], value.segments, value.seq_dim
+    segments = tuple(value.segments) or ((value.shape[-1],) if value.units and value.shape else ())
+    return op.out_layouts[0], segments, value.seq_dim, value.units
 
 
 def _holds_module(graph, op_id) -> bool:
@@ -223,22 +224,21 @@ def _logits_module(graph):
 
 
 def _activation_sites(graph) -> list:
-    """(module path, output layout) of every op that is a module, in execution order."""
-    sites, seen = [], set()
+    """(module path, its output's site at each call) of every op that is a module, in execution
+    order (a module called twice, as rotary on q and k, may get values sharded differently)."""
+    sites: dict = {}
     for op in graph.iter_ops():
         if op.attr_name and not _converts(graph, op.id):
             path = f"{op.scope}.{op.attr_name}" if op.scope else op.attr_name
-            if path not in seen:
-                seen.add(path)
-                sites.append((path, _site(graph, op)))
-    return sites
+            sites.setdefault(path, []).append(_site(graph, op))
+    return [(path, tuple(calls)) for path, calls in sites.items()]
 
 
 def _full_activation(t, site, pg):
     """A rank's piece of a value gathered to full shape: over tp, then over cp (un-permuting the
     load-balanced chunks of the sequence)."""
-    layout, segments, seq_dim = site
-    full = _full_over_tp(t.detach().contiguous(), layout["tp"], segments, pg.tp)
+    layout, segments, seq_dim, units = site
+    full = _full_over_tp(t.detach().contiguous(), layout["tp"], segments, pg.tp, units)
     if pg.cp.size > 1 and layout["cp"] == "S(s)":
         from runtime.context_parallel import gather_load_balanced
 
@@ -246,7 +246,8 @@ def _full_activation(t, site, pg):
     return full
 
 
-def _full_over_tp(t, layout, segments, tp):
+def _full_over_tp(t, layout, segments, tp, units=()):
+    from runtime.init import segment_piece, unit_replicas
     from runtime.mappings import gather_dim0, gather_last
 
     if tp.size == 1 or layout in ("I", "R"):
@@ -255,11 +256,16 @@ def _full_over_tp(t, layout, segments, tp):
         return gather_dim0(t, tp)
     if layout == "S(h)":
         full = gather_last(t, tp)
-        if len(segments) < 2:
+        segments = tuple(segments) or (full.shape[-1],)
+        units = tuple(units) if len(units) == len(segments) else (0,) * len(segments)
+        if len(segments) < 2 and not any(unit_replicas(u, tp.size) > 1 for u in units):
             return full
-        # each rank holds a slice of every segment: regroup [q0 k0 v0 | q1 k1 v1] as [q0 q1 | k0 k1 | v0 v1]
-        per_rank = [c.split([n // tp.size for n in segments], dim=-1) for c in full.chunk(tp.size, dim=-1)]
-        return torch.cat([per_rank[r][i] for i in range(len(segments)) for r in range(tp.size)], dim=-1)
+        # each rank holds a slice of every segment: regroup [q0 k0 v0 | q1 k1 v1] as [q0 q1 | k0 k1 | v0 v1],
+        # taking a head replicated over ranks from its first replica
+        local = [segment_piece(n, u, 0, tp.size)[1] for n, u in zip(segments, units)]
+        per_rank = [c.split(local, dim=-1) for c in full.chunk(tp.size, dim=-1)]
+        return torch.cat([per_rank[r][i] for i, u in enumerate(units)
+                          for r in range(0, tp.size, unit_replicas(u, tp.size))], dim=-1)
     out = t.clone()  # P: the true value is the sum over ranks
     from runtime.comm import all_reduce
     all_reduce(out, tp)
@@ -303,7 +309,7 @@ def _run(model, pg, cfg, inputs, logits_path, logits_site, sites, dp_batches: in
     # Written out (torch.optim.SGD's update without momentum: p -= lr * grad) because the first
     # torch.optim optimizer of a process imports torch._dynamo, seconds on every rank.
     params = list(model.parameters())
-    losses, grads, counts = [], None, None
+    losses, grads, counts, replicas = [], None, None, {}
     activations, returned = {}, []
     for step in range(cfg.steps):
         if dp_batches > 1:
@@ -325,10 +331,13 @@ def _run(model, pg, cfg, inputs, logits_path, logits_site, sites, dp_batches: in
                 loss = _gather_over_dp(loss, pg)
         layouts = dict(sites)
         for path, outs in store.items():
-            activations[path] = [_full_activation(o, layouts[path], pg) for o in outs]
+            calls = layouts[path]
+            activations[path] = [_full_activation(o, calls[min(i, len(calls) - 1)], pg) for i, o in enumerate(outs)]
         if step == 0:
             counts = counter.totals()
             grads = {n: gather_full(p.grad, p, pg.tp, pg.ep) for n, p in model.named_parameters()}
+            replicas = {n: replica_mismatch(p.grad, p, pg.tp) for n, p in model.named_parameters()
+                        if p.grad is not None and p._specc_init.replicated_units()}
             logits = captured.get("logits")
             if logits is not None:
                 logits = _full_activation(logits, logits_site, pg)
@@ -339,8 +348,11 @@ def _run(model, pg, cfg, inputs, logits_path, logits_site, sites, dp_batches: in
                     p.add_(p.grad, alpha=-cfg.lr)
                     p.grad = None
     weights = {n: gather_full(p, p, pg.tp, pg.ep) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        if p._specc_init.replicated_units():
+            replicas[n + " (weight)"] = replica_mismatch(p, p, pg.tp)
     return {"loss": torch.stack(losses), "logits": logits, "grads": grads, "weights": weights, "counts": counts,
-            "activations": activations, "returned": returned}
+            "activations": activations, "returned": returned, "replicas": replicas}
 
 
 def _reference_step(model, cfg, inputs, step, dp_batches, sites, activations, captured):
@@ -396,6 +408,14 @@ def _compare(setting: str, ref: dict, got: dict, tol: float, atol: float) -> lis
     for what in ("grads", "weights"):
         label = "gradients (all params)" if what == "grads" else f"weights after {ref['loss'].shape[0]} SGD steps"
         rows.append(_compare_named(setting, label, ref[what], got[what], tol, atol, passed_detail=""))
+    if got.get("replicas"):  # every TP rank holding a replicated head holds the same gradient and weight
+        def relative(name):
+            full = got["weights"][name[:-len(" (weight)")]] if name.endswith(" (weight)") else got["grads"][name]
+            return got["replicas"][name] / max(float(full.abs().max()), 1e-12)
+
+        worst = max(got["replicas"], key=relative)
+        rows.append(Row(setting, "replicated heads agree across TP ranks", got["replicas"][worst], relative(worst),
+                        relative(worst) <= tol, f"{len(got['replicas'])} gradients and weights; worst {worst}"))
     return rows
 
 

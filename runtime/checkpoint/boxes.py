@@ -5,7 +5,8 @@ under a layout-independent name. A rank holds some rectangular blocks ("boxes") 
 
 - a parameter's TP shard: one box per fused segment, because segments ([q | k | v], [gate | up])
   are sharded one by one, so rank r's local [q/t | k/t | v/t] is three separate blocks of the
-  full [q | k | v] (runtime.init.ParamInit: shard_dim, segments, tp_rank, tp_size);
+  full [q | k | v] (runtime.init.ParamInit: shard_dim, segments, tp_rank, tp_size); a segment of
+  fewer heads than TP ranks (units) holds one whole head per rank, the same box on its replicas;
 - a DP shard of a flat buffer (the distributed optimizer): a contiguous range of the row-major
   flattening of the local TP shard, which is a few row blocks, each then split by segment.
 
@@ -38,14 +39,10 @@ class Boxes:
 
 
 def _segment_ranges(meta: ParamInit):
-    """(local start, full start, size) along shard_dim of each segment's piece on this rank."""
-    out, local, full = [], 0, 0
-    for seg in meta.segments:
-        n = seg // meta.tp_size
-        out.append((local, full + meta.tp_rank * n, n))
-        local += n
-        full += seg
-    return out
+    """(local start, full start, size) along shard_dim of each segment's piece on this rank. A
+    unit (head) replicated over several ranks is the same box on each: DCP saves it once (its
+    deduplication of identical chunks) and loads it on every replica."""
+    return [(local, full, n) for local, full, n, _ in meta.pieces()]
 
 
 def local_to_full(offsets, sizes, meta: ParamInit | None) -> list:

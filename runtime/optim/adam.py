@@ -15,7 +15,8 @@ elements it owns and copies them into the parameters after each step.
 
 Gradient clipping uses the global L2 norm over TP and DP, each parameter counted once: a
 TP-sharded parameter's shards are summed over the TP group; a replicated parameter (identical on
-every TP rank after finalize_model_grads) is counted on TP rank 0 only; with the distributed
+every TP rank after finalize_model_grads) is counted on TP rank 0 only, and so is a head replicated
+over TP ranks (grouped-query K/V with fewer heads than ranks) on its first replica; with the distributed
 optimizer the DP shards are summed over the DP group.
 """
 
@@ -41,6 +42,28 @@ class _Segment:
     decay: bool  # weight decay applies (matrices; not biases or norm weights)
     in_norm: bool  # counted in the global grad norm on this rank
     expert: bool = False  # an expert weight: other expert-parallel ranks hold other experts
+
+
+def _norm_pieces(p, meta, start: int, stop: int) -> list:
+    """Elements [start, stop) of p's flattening cut where this rank holds rows of a replicated
+    head other than its first replica: [(start, stop, counted in the norm)], so each head
+    counts once over TP."""
+    dup = meta.duplicate_rows() if meta is not None and meta.replicated_units() else []
+    if not dup:
+        return [(start, stop, True)]
+    row = math.prod(p.shape[1:])
+    cuts, out, at = sorted((r * row, (r + n) * row) for r, n in dup), [], start
+    for x, y in cuts:
+        x, y = max(x, start), min(y, stop)
+        if x >= y:
+            continue
+        if at < x:
+            out.append((at, x, True))
+        out.append((x, y, False))
+        at = y
+    if at < stop:
+        out.append((at, stop, True))
+    return out
 
 
 class _Range:
@@ -93,8 +116,10 @@ class FlatOptimizer:
             meta = getattr(p, "_specc_init", None)
             sharded = meta is not None and meta.shard_dim is not None and meta.tp_size > 1
             # a weight tied across pipeline stages counts once: on the first stage, not its copy
-            out.append(_Segment(offset=a - lo, length=b - a, decay=p.dim() > 1,
-                                in_norm=(sharded or tp_rank0) and not is_tied_copy(p), expert=is_expert_param(p)))
+            in_norm = (sharded or tp_rank0) and not is_tied_copy(p)
+            for x, y, counted in _norm_pieces(p, meta, a - p_lo, b - p_lo):
+                out.append(_Segment(offset=p_lo + x - lo, length=y - x, decay=p.dim() > 1,
+                                    in_norm=in_norm and counted, expert=is_expert_param(p)))
         return out
 
     # -- memory ----------------------------------------------------------------------------------------

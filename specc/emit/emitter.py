@@ -276,7 +276,8 @@ class _Emitter:
     def _ctx(self, op) -> EmitCtx:
         tied = f"self.{self.g.ops[op.tied_to].attr_name}.weight" if op.tied_to else ""
         return EmitCtx(tp=self.tp, cp=self.cp, tied_expr=tied,
-                       in_segments=[tuple(self.g.values[v].segments) for v in op.inputs])
+                       in_segments=[tuple(self.g.values[v].segments) for v in op.inputs],
+                       in_units=[tuple(self.g.values[v].units) for v in op.inputs])
 
     def _constructor(self, op) -> str | None:
         if self.g.pipeline is not None and any(op.id == copy for _, copy in self.g.pipeline.ties):

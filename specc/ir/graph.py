@@ -12,6 +12,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 from ..errors import Loc
+from ..layouts import local_shape_dims
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int64": 8, "int32": 4, "float32": 4}
 OUTPUT = "<output>"  # the pseudo-user of a value the model returns
@@ -27,6 +28,14 @@ class Value:
     layout: object = None  # layouts.Layout
     segments: tuple = ()  # last-dim segments (full sizes) of a fused weight's output
     seq_dim: int | None = 0  # which dim is the sequence (0 for activations, 1 for [b, s] ids)
+    # attention heads per segment of the last dim (one entry without segments; 0: not heads, or
+    # unknown): a segment of fewer heads than TP ranks has each head replicated over ranks on S(h)
+    units: tuple = ()
+
+    def local_shape(self, layout=None) -> tuple:
+        """The shape one rank holds of this value under `layout` (default its own)."""
+        return local_shape_dims(self.shape, layout if layout is not None else self.layout, self.seq_dim,
+                                self.segments, self.units)
 
     def elt_bytes(self, act_dtype: str) -> int:
         return DTYPE_BYTES[act_dtype if self.dtype == "act" else self.dtype]

@@ -164,9 +164,18 @@ class CoreAttention(OpKind):
     def kv_heads(self, attrs) -> int:
         return attrs.get("num_kv_heads") or attrs["num_heads"]
 
+    def local_kv_heads(self, attrs, t: int) -> int:
+        """K/V heads on one of t ranks: a share of them, or one replicated head when there are
+        fewer than t (each serves the rank's query heads: q heads r*nh/t.. read KV head r//(t/n))."""
+        return max(1, self.kv_heads(attrs) // t)
+
     def check(self, attrs, locs, ctx):
         need_divisible(attrs["num_heads"], ctx.tp, "num_heads", locs.get("num_heads"))
-        need_divisible(self.kv_heads(attrs), ctx.tp, "num_kv_heads", locs.get("num_kv_heads", locs.get("num_heads")))
+        n, loc = self.kv_heads(attrs), locs.get("num_kv_heads", locs.get("num_heads"))
+        if ctx.tp > 1 and n % ctx.tp and ctx.tp % n:
+            raise SpecError(loc, f"num_kv_heads={n} is neither divisible by tensor-model-parallel size {ctx.tp} nor "
+                            f"divides it (fewer key/value heads than ranks are replicated: tp/num_kv_heads ranks "
+                            f"hold each)", f"choose a --tensor-model-parallel-size that divides or is a multiple of {n}")
         if attrs.get("window") and attrs.get("window_pattern"):
             raise SpecError(locs.get("window_pattern"), "give window or window_pattern, not both")
 
@@ -200,6 +209,18 @@ class CoreAttention(OpKind):
             fail("window_pattern needs the attention inside a repeated module (it is indexed by the layer)")
         pattern = attrs["window_pattern"]
         return {**attrs, "window": pattern[layer % len(pattern)] or None}
+
+    def check_units(self, attrs, in_units, ctx):
+        n = self.kv_heads(attrs)
+        if ctx.tp <= n:
+            return None
+        for name, units in zip("kv", in_units[1:3]):
+            if tuple(units) != (n,):
+                have = f"carries heads {list(units)}" if units else "does not say its heads"
+                return ("num_kv_heads", f"num_kv_heads={n} is below tensor-model-parallel size {ctx.tp}, so each rank "
+                        f"needs one whole {name} head, replicated over {ctx.tp // n} ranks, but {name} {have}: declare "
+                        f"heads: on the linear that makes it (e.g. heads: [num_heads, {n}, {n}] on a fused QKV)")
+        return None
 
     def out_shapes(self, attrs, shapes, fail):
         nh, ng, d = attrs["num_heads"], self.kv_heads(attrs), attrs["head_dim"]
@@ -360,7 +381,7 @@ class CoreAttention(OpKind):
         for key in ("window", "scale", "softcap"):
             if a.get(key):
                 extra += f", {key}={a[key]!r}"
-        return (f"runtime.CoreAttention({a['num_heads'] // t}, {self.kv_heads(a) // t}, {a['head_dim']}, "
+        return (f"runtime.CoreAttention({a['num_heads'] // t}, {self.local_kv_heads(a, t)}, {a['head_dim']}, "
                 f"causal={a['causal']}, dropout={a['dropout']!r}, backend=\"{backend}\", rng_tracker=rng_tracker"
                 + extra + ")")
 

@@ -33,6 +33,7 @@ class Weight:
     shard_dim: int | None = None  # None: replicated
     segments: tuple = ()  # full sizes along shard_dim, each sharded on its own
     expert_dim: int | None = None  # stacked experts: this dim is split over the expert-parallel ranks
+    units: tuple = ()  # heads per segment (0: any rows); fewer heads than TP ranks: each replicated
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Ctx:
     cp: int = 1
     axis: str = "tp"
     ep: int = 1  # expert-parallel size: not a layout axis (EP ranks are data-parallel ranks)
+    in_units: list = field(default_factory=list)  # per input of the op being typed: Value.units
 
     @property
     def size(self) -> int:
@@ -177,6 +179,22 @@ class OpKind:
         """Segments of output 0's last dim (a fused linear makes them; elementwise ops keep them)."""
         return ()
 
+    def out_units(self, attrs: dict, in_units: list, in_segments: list) -> list:
+        """Heads per segment of each output (Value.units), from the inputs'. By default output 0
+        keeps input 0's where it keeps its segments (ops that work feature by feature: norms,
+        rotary, elementwise ops, boundaries); other outputs have none."""
+        rest = [()] * (self.out_count(attrs) - 1)
+        if not in_units or not in_units[0]:
+            return [()] + rest
+        probe = ("segments of input 0",)
+        kept = self.out_segments(attrs, [probe] + list(in_segments[1:])) is probe
+        return [tuple(in_units[0]) if kept else ()] + rest
+
+    def check_units(self, attrs: dict, in_units: list, ctx: Ctx) -> tuple | None:
+        """(the attribute to point at, why) when the heads the inputs carry (Value.units) do not
+        fit this op at ctx's TP size; None when they do."""
+        return None
+
     def out_seq_dims(self, attrs: dict, in_seq_dims: list) -> list:
         """Which dim of each output is the sequence (activations are sequence-first)."""
         return [in_seq_dims[0] if in_seq_dims else 0] * self.out_count(attrs)
@@ -248,6 +266,7 @@ class EmitCtx:
     cp: int = 1
     tied_expr: str = ""  # the Python expression of the weight a tied op shares
     in_segments: list = field(default_factory=list)  # per input: the segments its S(h) shards are cut by
+    in_units: list = field(default_factory=list)  # per input: heads per segment (Value.units)
 
 
 def need_divisible(value: int, by: int, what: str, loc: Loc, hint: str = "", axis: str = "tp") -> None:

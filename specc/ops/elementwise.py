@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import SpecError
+from ..layouts import sh_local_size
 from .base import Attr, HFKnob, LayoutRule, OpKind, numel
 
 _NOT_P = ("I", "R", "S(s)", "S(h)")
@@ -270,6 +271,18 @@ class Split(OpKind):
     def input_segments(self, attrs, shapes):
         return tuple(attrs["sections"]) if len(attrs["sections"]) > 1 else ()
 
+    def out_units(self, attrs, in_units, in_segments):
+        # each section is one of the input's segments, with its heads
+        sections, units = tuple(attrs["sections"]), tuple(in_units[0]) if in_units else ()
+        if len(units) == len(sections) and (tuple(in_segments[0]) == sections or len(sections) == 1):
+            return [(u,) for u in units]
+        return [()] * len(sections)
+
     def call(self, node, args, ctx):
-        t = ctx.tp if node.in_layouts[0]["tp"] == "S(h)" else 1
-        return f"runtime.split({args[0]}, {[n // t for n in node.attrs['sections']]})"
+        sections = node.attrs["sections"]
+        if node.in_layouts[0]["tp"] != "S(h)" or ctx.tp == 1:
+            return f"runtime.split({args[0]}, {list(sections)})"
+        units = ctx.in_units[0] if ctx.in_units else ()
+        local = [sh_local_size(n, ctx.tp, (n,), (u,)) for n, u in zip(sections, units)] if len(units) == len(sections) \
+            else [n // ctx.tp for n in sections]
+        return f"runtime.split({args[0]}, {local})"

@@ -17,6 +17,10 @@ class Linear(OpKind):
         Attr("parallel", "str", default="none", choices=("column", "row", "none"),
              doc="column: shard output features (Megatron ColumnParallelLinear); row: shard input features"),
         Attr("segments", "int_list", doc="fused weights (QKV, gate+up): output sizes of each segment; each is sharded on its own"),
+        Attr("heads", "int_list", minimum=1,
+             doc="column: the attention heads of each segment (or of out_features), never cut inside a head; "
+                 "a segment of fewer heads than TP ranks has each head replicated over t/heads ranks "
+                 "(grouped-query K/V), TP must divide or be a multiple of each count"),
         Attr("init_std", "float", default=0.02, minimum=0.0),
         Attr("tie", "str", doc="share the weight of another op, e.g. the word embedding"),
     )
@@ -29,7 +33,10 @@ class Linear(OpKind):
         segs = self.segments(attrs)
         if sum(segs) != attrs["out_features"]:
             raise SpecError(locs.get("segments"), f"segments {list(segs)} sum to {sum(segs)}, not out_features={attrs['out_features']}")
-        if attrs["parallel"] == "column":
+        heads = attrs.get("heads")
+        if heads is not None:
+            self._check_heads(attrs, segs, heads, locs.get("heads"), ctx)
+        elif attrs["parallel"] == "column":
             for s in segs:
                 what = "segment size" if len(segs) > 1 else "out_features"
                 need_divisible(s, ctx.tp, what, locs.get("segments" if len(segs) > 1 else "out_features"))
@@ -37,6 +44,22 @@ class Linear(OpKind):
             need_divisible(attrs["in_features"], ctx.tp, "in_features", locs.get("in_features"))
             if attrs.get("segments"):
                 raise SpecError(locs.get("segments"), "segments apply to column-parallel linears only")
+
+    def _check_heads(self, attrs, segs, heads, loc, ctx):
+        if attrs["parallel"] != "column":
+            raise SpecError(loc, "heads apply to column-parallel linears only")
+        if len(heads) != len(segs):
+            what = f"{len(segs)} segments" if len(segs) > 1 else "one output (out_features, no segments)"
+            raise SpecError(loc, f"heads {list(heads)} name {len(heads)} counts, the linear has {what}")
+        for i, (size, n) in enumerate(zip(segs, heads)):
+            part = f"segment {i} ({size} features)" if len(segs) > 1 else f"out_features={size}"
+            if size % n:
+                raise SpecError(loc, f"{part} is not a whole number of its {n} heads")
+            if n % ctx.tp and ctx.tp % n:
+                raise SpecError(loc, f"{part} has {n} heads, and tensor-model-parallel size {ctx.tp} neither divides "
+                                f"them nor is a multiple of them (a rank holds whole heads, or one head "
+                                f"replicated over tp/heads ranks)",
+                                f"choose a --tensor-model-parallel-size that divides or is a multiple of {n}")
 
     def out_shapes(self, attrs, shapes, fail):
         x = shapes[0]
@@ -48,13 +71,14 @@ class Linear(OpKind):
         mode = attrs["parallel"]
         shape = (attrs["out_features"], attrs["in_features"])
         segs = self.segments(attrs)
+        units = tuple(attrs.get("heads") or ()) if mode == "column" else ()
         out = []
         if not attrs.get("tie"):
             shard = {"column": 0, "row": 1}.get(mode)
-            out.append(Weight("weight", shape, "normal", shard, segs if mode == "column" else ()))
+            out.append(Weight("weight", shape, "normal", shard, segs if mode == "column" else (), units=units))
         if attrs["bias"]:
             out.append(Weight("bias", (attrs["out_features"],), "zeros",
-                              0 if mode == "column" else None, segs if mode == "column" else ()))
+                              0 if mode == "column" else None, segs if mode == "column" else (), units=units))
         return out
 
     def rule_tp(self, attrs, ctx):
@@ -76,6 +100,9 @@ class Linear(OpKind):
         segs = self.segments(attrs)
         return segs if len(segs) > 1 else ()
 
+    def out_units(self, attrs, in_units, in_segments):
+        return [tuple(attrs.get("heads") or ()) if attrs["parallel"] == "column" else ()]
+
     def followers(self, attrs):
         # a row-parallel linear's bias is added after the reduction of its partial sums
         if attrs["parallel"] == "row" and attrs.get("bias"):
@@ -93,13 +120,30 @@ class Linear(OpKind):
         return (attrs["out_features"], attrs["in_features"]), {"column": 0, "row": 1}.get(attrs["parallel"])
 
     def note(self, node):
-        for a in node.absorbed:
+        notes = []
+        for a in node.absorbed[:1]:
             if a.mode == "gather":
-                return (f"{node.attr_name} all-gathers its S(s) input over the sequence inside the GEMM "
-                        "(backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)")
-            return (f"{node.attr_name} takes an I input as R (backward: all-reduce of the input gradient, "
-                    "overlapped with the weight-gradient GEMM)")
-        return ""
+                notes.append(f"{node.attr_name} all-gathers its S(s) input over the sequence inside the GEMM "
+                             "(backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)")
+            else:
+                notes.append(f"{node.attr_name} takes an I input as R (backward: all-reduce of the input gradient, "
+                             "overlapped with the weight-gradient GEMM)")
+        replicated = self.replicated_segments(node)
+        if replicated:
+            t = node.out_layouts[0].mesh.size("tp")
+            which = ", ".join(f"segment {i}: {n} head{'s' if n > 1 else ''} on {t} ranks, each on {t // n}"
+                              for i, n in replicated)
+            notes.append(f"{node.attr_name} replicates heads ({which}); their weight gradients are summed over TP "
+                         "in a zero-padded buffer with the TP-partial gradients")
+        return "; ".join(notes)
+
+    def replicated_segments(self, node) -> list:
+        """[(segment index, heads)] of the segments whose heads are fewer than the TP ranks."""
+        heads = node.attrs.get("heads") or ()
+        if node.attrs["parallel"] != "column" or not heads or not node.out_layouts:
+            return []
+        t = node.out_layouts[0].mesh.size("tp")
+        return [(i, n) for i, n in enumerate(heads) if n < t]
 
     def collectives(self, node, shapes_on, elt, mesh):
         nbytes = numel(shapes_on("tp")[0]) * elt  # the TP collectives move the CP-local sequence
@@ -134,6 +178,8 @@ class Linear(OpKind):
         tp = "self.tp" if mode == "column" else 'runtime.Group.single("tp")'
         if a.get("segments") and mode == "column":
             kw.append(f"segments={list(a['segments'])}")
+        if a.get("heads") and mode == "column":
+            kw.append(f"heads={list(a['heads'])}")
         if node.absorbed:
             kw.append(f'input_mode="{node.absorbed[0].mode}"')
         if node.tied_to:

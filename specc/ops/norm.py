@@ -13,6 +13,7 @@ On tensor-parallel shards of the last dim (S(h): the heads of q or k):
 from __future__ import annotations
 
 from ..errors import SpecError
+from ..layouts import has_replicas
 from .base import Attr, LayoutRule, OpKind, Weight, numel
 
 
@@ -47,15 +48,20 @@ class _Norm(OpKind):
     def weight_init(self, attrs) -> str:
         return "zeros" if attrs.get("zero_centered_gamma") else "ones"
 
-    def on_shards(self, attrs, tp: int) -> bool:
-        """May the input stay sharded over the last dim (S(h)) at this TP size?"""
+    def on_shards(self, attrs, tp: int, units: tuple = ()) -> bool:
+        """May the input stay sharded over the last dim (S(h)) at this TP size? `units`: the
+        heads of the input's segments (Value.units); a head replicated over ranks is whole."""
         head = attrs.get("head_dim")
+        if has_replicas(units, tp):
+            # whole heads on every rank; a norm over the full width would count replicas twice
+            return head is not None and len(units) == 1 and (attrs["hidden_size"] // units[0]) % head == 0
         if head is not None:
             return (attrs["hidden_size"] // head) % tp == 0  # whole heads on every rank
         return self.sharded_full_width
 
     def rule_tp(self, attrs, ctx):
-        allowed = ("I", "R", "S(s)") + (("S(h)",) if self.on_shards(attrs, ctx.tp) else ())
+        units = tuple(ctx.in_units[0]) if ctx.in_units else ()
+        allowed = ("I", "R", "S(s)") + (("S(h)",) if self.on_shards(attrs, ctx.tp, units) else ())
         return LayoutRule(allowed=allowed, accepts_reduction=True)
 
     def partial_grad_weights(self, node, axis, placement):

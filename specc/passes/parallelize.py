@@ -9,9 +9,11 @@ graph, and a graph that typechecks has correct gradients by construction."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..errors import SpecError
 from ..ir.graph import Graph, Op, Value
-from ..layouts import AXIS_NAMES, BOUNDARIES, SH, SS, I, Layout, Mesh, P, R, conversion_path
+from ..layouts import AXIS_NAMES, BOUNDARIES, SH, SS, I, Layout, Mesh, P, R, conversion_path, has_replicas
 from ..ops import OPS, Ctx
 
 PREFERENCE = (SS, I, SH, R)  # after the home placement, which wins ties
@@ -27,6 +29,7 @@ def parallelize(g: Graph, settings) -> None:
     ctxs = {axis: base.on(axis) for axis in mesh.axes}
     for vid in g.inputs:
         g.values[vid].layout = mesh.replicated()
+    _propagate_units(g, ctxs["tp"])
     for axis in mesh.active:
         ctxs[axis].demand = _demands(g, ctxs[axis])
     converted = _Conversions(ctxs)
@@ -44,6 +47,29 @@ def parallelize(g: Graph, settings) -> None:
             done = _insert_path(g, value, axis, I, "", before=None, ctx=ctxs[axis], converted=converted)
             g.outputs = [done if v == vid else v for v in g.outputs]
             g.rebind(vid, done, "")
+
+
+def _propagate_units(g: Graph, ctx: Ctx) -> None:
+    """Value.units (heads per segment) of every value, in execution order, before typing: they do
+    not depend on layouts, and the rules read them (a per-head norm keeps replicated heads on
+    S(h)). Each op then checks that the heads it receives fit the TP size (check_units)."""
+    segments = {vid: () for vid in g.inputs}
+    for op in g.iter_ops():
+        kind = OPS[op.kind]
+        in_units = [g.values[v].units for v in op.inputs]
+        in_segments = [segments.get(v, ()) for v in op.inputs]
+        problem = kind.check_units(op.attrs, in_units, ctx) if ctx.tp > 1 else None
+        if problem:
+            raise SpecError(op.attr_locs.get(problem[0]) or op.loc, problem[1])
+        if op.outputs:
+            segments[op.outputs[0]] = tuple(kind.out_segments(op.attrs, in_segments))
+        for vid, units in zip(op.outputs, kind.out_units(op.attrs, in_units, in_segments)):
+            g.values[vid].units = tuple(units)
+
+
+def _rule(g: Graph, op: Op, ctx: Ctx):
+    """The op's layout rule on ctx's axis, told the heads its inputs carry."""
+    return OPS[op.kind].rule(op.attrs, dataclasses.replace(ctx, in_units=[g.values[v].units for v in op.inputs]))
 
 
 class _Conversions(dict):
@@ -82,9 +108,8 @@ def _type_axis(g: Graph, op: Op, ctx: Ctx, converted: dict):
     """One op's placements on one axis: its inputs converted to what it needs (boundaries
     inserted before it), and the placements of its outputs."""
     axis = ctx.axis
-    kind = OPS[op.kind]
     layouts = [g.values[v].layout[axis] for v in op.inputs]
-    rule = kind.rule(op.attrs, ctx)
+    rule = _rule(g, op, ctx)
     if rule.partial_ok and _regroup_partial_sums(g, op, layouts, ctx, converted):
         layouts = [g.values[v].layout[axis] for v in op.inputs]
     joined = list(rule.joined_inputs) if rule.joined_inputs is not None else [
@@ -109,7 +134,7 @@ def _demands(g: Graph, ctx: Ctx) -> dict:
     demand: dict = {v: I for v in g.outputs}
     partial = _partial_capable(g, ctx)
     for op in g.iter_ops_reversed():
-        rule = OPS[op.kind].rule(op.attrs, ctx)
+        rule = _rule(g, op, ctx)
         out_demand = demand.get(op.outputs[0], ctx.home) if op.outputs else ctx.home
         merging = rule.partial_ok and sum(v in partial for v in op.inputs) >= 2  # partial sums can meet here
         for i, vid in enumerate(op.inputs):
@@ -131,7 +156,7 @@ def _partial_capable(g: Graph, ctx: Ctx) -> set:
     one-input ops that keep P (a bias added on one rank)."""
     capable: set = set()
     for op in g.iter_ops():
-        rule = OPS[op.kind].rule(op.attrs, ctx)
+        rule = _rule(g, op, ctx)
         if rule.fixed_outputs and P in rule.fixed_outputs:
             capable.update(v for v, lay in zip(op.outputs, rule.fixed_outputs) if lay == P)
         elif rule.partial_ok and len(op.inputs) == 1 and op.inputs[0] in capable:
@@ -144,7 +169,7 @@ def _convert_shared_outputs(g: Graph, op: Op, ctx: Ctx, converted: dict) -> None
     """A fixed-output op whose value feeds several consumers that all want another placement (the
     embedding's partial sums feeding the first norm and the residual) converts it once, here."""
     axis = ctx.axis
-    if OPS[op.kind].rule(op.attrs, ctx).fixed_outputs is None:
+    if _rule(g, op, ctx).fixed_outputs is None:
         return
     for vid in op.outputs:
         value = g.values[vid]
@@ -272,13 +297,19 @@ def _insert_path(g: Graph, value: Value, axis: str, want: str, scope: str, befor
     current = value
     label = _local_name(g, value, scope)
     for boundary in conversion_path(axis, value.layout[axis], want):
+        if axis == "tp" and SH in (boundary.src, boundary.dst) and has_replicas(current.units, ctx.tp):
+            raise SpecError(anchor.loc, f"{anchor.id}: '{value.name}' holds heads replicated over tensor-parallel ranks "
+                            f"(heads {list(current.units)} at tp={ctx.tp}), which no boundary gathers or scatters: "
+                            f"{boundary.function} would need it {boundary.dst}",
+                            "keep such heads in ops that work head by head (rotary, per-head norms, attention), "
+                            "or use a TP size that divides the heads")
         tag = f"{boundary.src}->{boundary.dst}" if axis == "tp" else f"{axis}:{boundary.src}->{boundary.dst}"
         bid = g.unique_id(f"{scope + '.' if scope else ''}{label}:{tag}")
         layout_in = current.layout
         step_cut = cut if boundary.dst == SH else _cut(current) if boundary.src == SH else ()
         segments = step_cut if boundary.dst == SH else current.segments
         out = g.add_value(Value(bid, current.name, current.shape, current.dtype, bid, layout_in.with_(axis, boundary.dst),
-                                segments, current.seq_dim))
+                                segments, current.seq_dim, current.units))
         # token ids and labels carry no gradient: their boundaries issue nothing in backward
         attrs = {"axis": axis, "src": boundary.src, "dst": boundary.dst, "grad": current.dtype in ("act", "float32")}
         if boundary.seq_dim_kwarg:
@@ -330,7 +361,7 @@ def _check_divisible(g: Graph, op: Op, value: Value, ctx: Ctx) -> None:
         raise SpecError(op.loc, f"sequence length {seq} of '{value.name}' is not divisible by "
                         f"tensor-model-parallel size {tp.tp}, over which sequence parallelism shards it",
                         "choose a seq_length that divides by the TP size, or turn off --sequence-parallel")
-    if tp.tp > 1 and lay["tp"] == SH and value.shape[-1] % tp.tp:
+    if tp.tp > 1 and lay["tp"] == SH and value.shape[-1] % tp.tp and not has_replicas(value.units, tp.tp):
         raise SpecError(op.loc, f"last dim {value.shape[-1]} of '{value.name}' is not divisible by tensor-model-parallel "
                         f"size {tp.tp}")
 

@@ -33,7 +33,6 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import Loc, SpecError
-from ..layouts import local_shape_dims
 from ..ops import OPS
 from ..ops.base import numel
 
@@ -228,8 +227,8 @@ def _flops(graph, op) -> int:
     if flops is None:
         return 0
     values = graph.values
-    local_in = [local_shape_dims(values[v].shape, lay, values[v].seq_dim) for v, lay in zip(op.inputs, op.in_layouts)]
-    local_out = [local_shape_dims(values[v].shape, lay, values[v].seq_dim)
+    local_in = [values[v].local_shape(lay) for v, lay in zip(op.inputs, op.in_layouts)]
+    local_out = [values[v].local_shape(lay)
                  for v, lay in zip(op.outputs, op.out_layouts)]
     forward, backward = flops(op, local_in, local_out, graph.mesh)
     return int(forward) + int(backward)
@@ -266,7 +265,7 @@ def _ties(graph, pre_ops, post_ops) -> list:
 
 def _p2p(graph, value_id: str, name: str, settings) -> P2P:
     v = graph.values[value_id]
-    shape = local_shape_dims(v.shape, v.layout, v.seq_dim)
+    shape = v.local_shape()
     return P2P(name, tuple(shape), str(v.layout), v.dtype, numel(shape) * v.elt_bytes(settings.dtype))
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from .. import __version__
 from ..ir.graph import DTYPE_BYTES
-from ..layouts import COLLECTIVES, I, local_shape_dims
+from ..layouts import COLLECTIVES, I, replicas, sh_local_size
 from ..ops import OPS
 from ..ops.base import numel
 
@@ -59,7 +59,7 @@ def _entry(graph, op, elt: int) -> Entry:
 
     def shapes_on(axis):
         """Input shapes as the collectives of `axis` see them: local on every other axis."""
-        return [local_shape_dims(values[v].shape, lay.with_(axis, I), values[v].seq_dim)
+        return [values[v].local_shape(lay.with_(axis, I))
                 for v, lay in zip(op.inputs, op.in_layouts)]
 
     # a conversion moves its value in the value's own dtype (fp32 per-token losses, int64 ids)
@@ -104,7 +104,7 @@ def _recompute(graph, raw: list) -> None:
             started.add(index)
             for vid in region.inputs:
                 value = graph.values[vid]
-                e.saved_items.append((vid, numel(local_shape_dims(value.shape, value.layout, value.seq_dim))
+                e.saved_items.append((vid, numel(value.local_shape())
                                       * value.elt_bytes(dtype)))
             e.notes.append(f"recompute {region.granularity}: keeps only the input"
                            + ("s" if len(region.inputs) > 1 else "") + ", runs again in backward")
@@ -117,16 +117,26 @@ def _recompute(graph, raw: list) -> None:
 
 def _local_shapes(graph, op) -> tuple:
     values = graph.values
-    local_in = [local_shape_dims(values[v].shape, lay, values[v].seq_dim) for v, lay in zip(op.inputs, op.in_layouts)]
-    local_out = [local_shape_dims(values[v].shape, lay, values[v].seq_dim) for v, lay in zip(op.outputs, op.out_layouts)]
+    local_in = [values[v].local_shape(lay) for v, lay in zip(op.inputs, op.in_layouts)]
+    local_out = [values[v].local_shape(lay) for v, lay in zip(op.outputs, op.out_layouts)]
     return local_in, local_out
 
 
 def _local_weight_shape(w, settings) -> tuple:
     shape = list(w.shape)
     if w.shard_dim is not None:
-        shape[w.shard_dim] //= settings.tp
+        segments = tuple(w.segments) or (shape[w.shard_dim],)
+        shape[w.shard_dim] = sh_local_size(shape[w.shard_dim], settings.tp, segments, tuple(w.units))
     return tuple(shape)
+
+
+def _replica_sum_elements(w, t: int) -> int:
+    """Elements of the zero-padded gradient buffer that sums a weight's replicated heads over
+    TP: each segment of fewer heads than ranks, at its full size."""
+    if w.shard_dim is None or not w.units:
+        return 0
+    rest = numel(w.shape) // w.shape[w.shard_dim]
+    return sum(size * rest for size, n in zip(w.segments or (w.shape[w.shard_dim],), w.units) if replicas(n, t) > 1)
 
 
 def _saved(graph, op, elt: int) -> list:
@@ -202,8 +212,9 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
     params, expert_params, seen = 0, 0, set()
 
     def per_rank(w) -> int:  # elements of a weight one rank holds
-        n = numel(w.shape) // (settings.tp if w.shard_dim is not None else 1)
-        return n // (settings.ep if w.expert_dim is not None else 1)
+        return numel(_local_weight_shape(w, settings)) // (settings.ep if w.expert_dim is not None else 1)
+
+    replica_sum = 0  # elements of the zero-padded buffers that sum replicated heads' gradients over TP
 
     partial = {axis: 0 for axis in graph.mesh.active}
     partial_seen: set = set()  # (module, weight, axis): a row-parallel bias is the linear's and its bias_add's
@@ -215,6 +226,7 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
         seen.add(key)
         owned = kind.weights(op.attrs)
         params += sum(per_rank(w) for w in owned)
+        replica_sum += sum(_replica_sum_elements(w, settings.tp) for w in owned)
         expert_params += sum(per_rank(w) for w in owned if w.expert_dim is not None)
         for w in owned + kind.shared_weights(op.attrs):
             for axis, names in op.partial_grads.items():
@@ -222,6 +234,8 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
                     partial_seen.add((op.scope, kind.owner(op), w.name, axis))
                     partial[axis] += per_rank(w)
     sync_axes = {axis: n for axis, n in partial.items() if n}
+    if replica_sum:  # in the same TP buffer as the TP-partial gradients (runtime.finalize_model_grads)
+        sync_axes["tp"] = sync_axes.get("tp", 0) + replica_sum
     grad_sync = {"all_reduce": {"count": len(sync_axes), "bytes": sum(sync_axes.values()) * 4}}
     saved, seen_saved, per_layer = 0, set(), {}
     for e in raw:
@@ -251,6 +265,8 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
     }
     if settings.cp > 1:
         totals["cp_partial_grad_parameters"] = partial.get("cp", 0)
+    if replica_sum:
+        totals["replicated_head_grad_elements"] = replica_sum
     if expert_params:  # data-parallel over the expert-data-parallel group (dp / ep ranks)
         totals["expert_parameters"] = expert_params
         totals["expert_optimizer_bytes"] = expert_params * OPT_BYTES[settings.dtype]
@@ -290,7 +306,7 @@ def _pipeline_totals(graph, raw: list, settings) -> dict:
             seen.add(key)
             kind = OPS[op.kind]
             owned = list(kind.weights(op.attrs)) + (list(kind.shared_weights(op.attrs)) if op.id in copies else [])
-            params[s] += sum(numel(w.shape) // (settings.tp if w.shard_dim is not None else 1) for w in owned)
+            params[s] += sum(numel(_local_weight_shape(w, settings)) for w in owned)
         for k, nbytes in e.saved_items:
             if (s, k) not in seen_saved:
                 seen_saved.add((s, k))

@@ -61,6 +61,9 @@ def plan_text(plan) -> str:
                 if "cp_partial_grad_parameters" not in t else
                 f"(all-reduces of {t['tp_partial_grad_parameters']:,} tp-partial and "
                 f"{t['cp_partial_grad_parameters']:,} cp-partial gradient elements, once per step each)")
+        if "replicated_head_grad_elements" in t:  # summed in the tp buffer
+            what = what[:-1] + (f", with {t['replicated_head_grad_elements']:,} zero-padded elements of "
+                                "replicated heads' gradients in the tp one)")
         lines.append(f"  {label:<16}{gs['count']:>6} x   {human_bytes(gs['bytes']):>12}   {what}")
     lines += [
         f"  parameters      {t['parameters']:>14,}   {human_bytes(t['parameter_bytes']):>12}",
