@@ -50,7 +50,9 @@ def finalize_model_grads(model: torch.nn.Module, pg: ProcessGroups, ddp=None) ->
     embedding/output weight is one Parameter with one gradient, except across pipeline stages:
     there the first and the last stage each hold one, and their gradients are summed over the
     embedding group (Megatron's _allreduce_word_embedding_grads) BEFORE the data-parallel reduction,
-    whose reduce-scatter leaves each stage only its own shard (the two sums commute)."""
+    whose reduce-scatter leaves each stage only its own shard (the two sums commute). Heads
+    replicated over TP ranks (a column linear's `heads` fewer than the ranks) have partial
+    gradients on each replica: they are summed over TP in the TP-partial buffer (_replica_slots)."""
     _allreduce_tied_grads(model, pg)
     if ddp is not None:
         ddp.finish_grad_sync()

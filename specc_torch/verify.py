@@ -99,7 +99,7 @@ def mutate_source(source: str, mutation: str):
     elif mutation == "drop-cp-partial-grad":
         out, n = re.subn(r'^\s*runtime\.mark_partial_grad\(.*"cp".*\n', "", source, count=1, flags=re.M)
     elif mutation == "one-slab-segments":
-        out, n = re.subn(r", segments=\[[0-9, ]+\]", "", source, count=1)
+        out, n = re.subn(r", segments=\[[0-9, ]+\](, heads=\[[0-9, ]+\])?", "", source, count=1)
     elif mutation == "drop-reduction":
         out, n = re.subn(r"mappings\.(reduce_scatter_to_sequence_parallel_region|reduce_from_tensor_model_parallel_region)"
                          r"\((\w+), self\.tp\)", lambda m: f"mappings.scatter_to_sequence_parallel_region({m.group(2)}, self.tp)"

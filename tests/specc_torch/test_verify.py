@@ -12,34 +12,46 @@ BIASES = ["--set", "modules.SelfAttention.submodules.linear_proj.bias=true",
           "--set", "modules.MLP.submodules.linear_fc2.bias=true"]
 
 
-@pytest.mark.parametrize("spec", ["gpt-tiny.yaml", "llama-tiny.yaml", "parallel-block-tiny.yaml"])
-def test_tiny_specs_verify_at_tp2_and_tp4(spec):
-    result = verify(f"specs/{spec}", "--tp", "1,2,4", "--sp", "both")
+# Llama with 2 K/V heads: whole heads at TP=2, each head replicated over 2 ranks at TP=4
+KV2 = ["--set", "num_query_groups=2"]
+
+
+@pytest.mark.parametrize("spec,extra", [("gpt-tiny.yaml", []), ("llama-tiny.yaml", KV2),
+                                        ("parallel-block-tiny.yaml", [])])
+def test_tiny_specs_verify_at_tp2_and_tp4(spec, extra):
+    result = verify(f"specs/{spec}", "--tp", "1,2,4", "--sp", "both", *extra)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
+    replicated = 0
     for setting in ("tp=2 sp=off", "tp=2 sp=on", "tp=4 sp=off", "tp=4 sp=on"):
         rows = [ln for ln in out.splitlines() if ln.startswith(setting)]
         # loss, logits, activations, gradients, weights, collectives; the first five again from
-        # randomized weights
-        assert len(rows) == 11, out
+        # randomized weights; where heads are replicated, that the replicas agree (both weights)
+        agree = sum("replicated heads agree across TP ranks" in ln for ln in rows)
+        assert agree == (2 if extra and setting.startswith("tp=4") else 0), out
+        replicated += agree
+        assert len(rows) == 11 + agree, out
         assert all(" pass" in ln for ln in rows)
         assert any("collectives == plan" in ln for ln in rows)
-        assert sum("random weights: " in ln for ln in rows) == 5
-    assert out.strip().splitlines()[-1] == "55 passed, 0 failed (5 settings)"
+        assert sum("random weights: " in ln for ln in rows) == 5 + agree // 2
+    assert out.strip().splitlines()[-1] == f"{55 + replicated} passed, 0 failed (5 settings)"
 
 
-@pytest.mark.parametrize("spec, tp, sp, settings", [
-    ("olmo2-tiny.yaml", "2", "both", 3),  # the full-width q/k norm's all-reduces, post-norms
-    ("qwen3-tiny.yaml", "2", "on", 2),  # per-head q/k norms: local, their weights' gradients partial over TP
-    ("gemma2-tiny.yaml", "2", "on", 2),  # post-sublayer norms, windows, capped scores, the logits' soft cap (no module)
+@pytest.mark.parametrize("spec, tp, sp, settings, extra", [
+    ("olmo2-tiny.yaml", "2", "both", 3, []),  # the full-width q/k norm's all-reduces, post-norms
+    # per-head q/k norms: local, their weights' gradients partial over TP; multi-query (one K/V
+    # head, replicated on all 4 ranks): the k norm on the replicated head
+    ("qwen3-tiny.yaml", "4", "on", 2, ["--set", "num_query_groups=1"]),
+    ("gemma2-tiny.yaml", "2", "on", 2, []),  # post-sublayer norms, windows, capped scores, the logits' soft cap (no module)
 ])
-def test_new_families_verify(spec, tp, sp, settings):
+def test_new_families_verify(spec, tp, sp, settings, extra):
     """The new norm placements end to end (`specc verify --tp 1,2,4 --sp both` passes on every
     family's tiny spec, run by hand: docs/families.md; the HF parity runs every family at TP 1, 2, 4)."""
-    result = verify(f"specs/{spec}", "--tp", tp, "--sp", sp)
+    result = verify(f"specs/{spec}", "--tp", tp, "--sp", sp, *extra)
     assert result.returncode == 0, result.stdout + result.stderr
     assert any("collectives == plan" in ln and " pass" in ln for ln in result.stdout.splitlines())
-    assert result.stdout.strip().splitlines()[-1] == f"{11 * settings} passed, 0 failed ({settings} settings)"
+    rows = 11 * settings + (2 if extra else 0)  # the replicas agree, from both weights
+    assert result.stdout.strip().splitlines()[-1] == f"{rows} passed, 0 failed ({settings} settings)"
 
 
 @pytest.mark.parametrize("mutation,named", [
@@ -151,20 +163,23 @@ def test_dropout_compares_statistically_otherwise():
     assert broken.returncode == 1 and "FAIL" in broken.stdout
 
 
-@pytest.mark.parametrize("spec,comm", [("gpt-tiny.yaml", "both"), ("llama-tiny.yaml", "both"),
-                                       ("parallel-block-tiny.yaml", "auto")])
-def test_tiny_specs_verify_with_context_parallelism(spec, comm):
+@pytest.mark.parametrize("spec,comm,extra", [("gpt-tiny.yaml", "both", []),
+                                             # multi-query: the one K/V head replicated on both TP ranks
+                                             ("llama-tiny.yaml", "both", ["--set", "num_query_groups=1"]),
+                                             ("parallel-block-tiny.yaml", "auto", [])])
+def test_tiny_specs_verify_with_context_parallelism(spec, comm, extra):
     """TPxCP on 4 ranks, both CP attention variants: the same function as TP=1 CP=1, and the
     measured collectives (point-to-point sends included) equal the plan."""
     result = verify(f"specs/{spec}", "--tp", "1,2", "--cp", "1,2", "--sp", "on", "--cp-comm-type", comm,
-                    "--steps", "1")
+                    "--steps", "1", *extra)
     assert result.returncode == 0, result.stdout + result.stderr
     variants = ["p2p", "all_gather"] if comm == "both" else [""]
     for variant in variants:
         for setting in (f"tp=1 cp=2 {variant}".replace("  ", " ").strip() + " sp=off",
                         f"tp=2 cp=2 {variant}".replace("  ", " ").strip() + " sp=on"):
             rows = [ln for ln in result.stdout.splitlines() if ln.startswith(setting + " ")]
-            assert len(rows) == 11 and all(" pass" in ln for ln in rows), result.stdout
+            replicated = 2 if extra and setting.startswith("tp=2") else 0
+            assert len(rows) == 11 + replicated and all(" pass" in ln for ln in rows), result.stdout
     if "p2p" in variants:
         assert "send 8x/" in result.stdout  # the ring: (N-1) + (2N-1) steps per layer, 2 layers
 

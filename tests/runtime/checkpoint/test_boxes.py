@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
+import pytest
 import torch
 
 from runtime.checkpoint.boxes import flat_boxes, flat_range_blocks, param_boxes
@@ -37,6 +39,31 @@ def test_segment_shards_are_one_block_per_segment():
         pieces += boxes
     out, count = _assemble(full.shape, pieces)
     assert torch.equal(out, full) and bool((count == 1).all())
+
+
+def test_replicated_heads_are_the_same_box_on_their_replicas():
+    # [q | k | v] with 8 query heads and 2 K/V heads of 4 rows at TP=4: ranks 0, 1 hold K/V head 0,
+    # ranks 2, 3 head 1; a replicated head is one box written by two ranks (DCP keeps one)
+    full = torch.randn(32 + 8 + 8, 6)
+    boxes = {}
+    for rank in range(4):
+        meta = replace(_meta(full.shape, 0, (32, 8, 8), rank, 4), units=(8, 2, 2))
+        assert meta.local_shape == (8 + 4 + 4, 6)
+        local = local_slice(full, meta)
+        mine = param_boxes(local, meta)
+        head = rank // 2
+        assert [o for o, _ in mine] == [(rank * 8, 0), (32 + head * 4, 0), (40 + head * 4, 0)]
+        assert meta.duplicate_rows() == ([] if rank % 2 == 0 else [(8, 4), (12, 4)])
+        for offsets, view in mine:
+            if offsets in boxes:
+                assert torch.equal(boxes[offsets], view)  # the replicas hold the same rows
+            boxes[offsets] = view
+    out, count = _assemble(full.shape, list(boxes.items()))
+    assert torch.equal(out, full) and bool((count == 1).all())
+    with pytest.raises(ValueError, match="neither divisible"):
+        replace(_meta((32 + 12 + 12, 6), 0, (32, 12, 12), 0, 4), units=(8, 3, 3))
+    with pytest.raises(ValueError, match="not a whole number"):
+        replace(_meta(full.shape, 0, (32, 8, 8), 0, 4), units=(8, 3, 3))
 
 
 def test_row_parallel_and_replicated_shards():

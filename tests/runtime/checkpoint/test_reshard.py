@@ -92,41 +92,43 @@ def test_save_at_tp2_dp2_loads_at_tp1_tp4_and_dp1(gloo, tmp_path):
     assert len(after) == 3 and max(after) - min(after) < 1e-5
 
 
-def _save_llama(rank, world, directory):
-    pg = ProcessGroups.initialize(tp=world)
-    try:
-        model = specc_torch.build_model(LLAMA, pg, seed=1, sp=True)
-        set_weights(model)
-        save_checkpoint(directory, 1, model, pg)
-        return loss_of(model).item()
-    finally:
-        pg.destroy()
+KV2 = {"overrides": {"num_query_groups": 2}}  # 2 K/V heads: replicated over 2 ranks each at TP=4
 
 
-def _load_llama(rank, world, directory):
+def _reshard_llama_on_ranks(rank, world, source, directory):
+    """At TP=world: load `source` (saved at another TP), then save it again at this TP into `directory`."""
     pg = ProcessGroups.initialize(tp=world)
     try:
-        model = specc_torch.build_model(LLAMA, pg, seed=2, sp=True)
-        out = load_checkpoint(directory, model, pg)
-        expected = expected_weights(LLAMA)
+        model = specc_torch.build_model(LLAMA, pg, seed=2, sp=True, **KV2)
+        out = load_checkpoint(source, model, pg)
+        expected = expected_weights(LLAMA, **KV2)
         full = full_weights(model, pg)
-        return all(torch.equal(full[n], expected[n]) for n in expected), loss_of(model).item(), out["resharded"]
+        equal = all(torch.equal(full[n], expected[n]) for n in expected)
+        if directory is not None:
+            save_checkpoint(directory, 1, model, pg)
+        return equal, loss_of(model).item(), out["resharded"]
     finally:
         pg.destroy()
 
 
-def test_grouped_query_segments_reshard_from_tp2_to_tp4_and_tp1(gloo, tmp_path):
-    """Llama's fused [q | k | v] with k, v half the size of q, and [gate | up]: every segment is
-    cut per rank on its own at save and at load."""
-    directory = str(tmp_path / "llama")
-    saved_loss = gloo.run(2, _save_llama, directory)[0]
-    equal4, loss4, resharded4 = gloo.run(4, _load_llama, directory)[0]
-    model = specc_torch.build_model(LLAMA, seed=3)
-    load_checkpoint(directory, model)
-    expected = expected_weights(LLAMA)
+def test_grouped_query_segments_reshard_between_tp1_tp2_and_tp4(gloo, tmp_path):
+    """Llama's fused [q | k | v] with 2 K/V heads, and [gate | up]: saved at TP=1, loaded at TP=4
+    (each K/V head replicated over 2 ranks) and saved there (a replicated head is one box, written
+    once), then loaded at TP=2 (one head per rank) and TP=1: the same full weights and loss."""
+    tp1, tp4 = str(tmp_path / "tp1"), str(tmp_path / "tp4")
+    model = specc_torch.build_model(LLAMA, seed=1, **KV2)
+    set_weights(model)
+    saved_loss = loss_of(model).item()
+    save_checkpoint(tp1, 1, model)
+    equal4, loss4, resharded4 = gloo.run(4, _reshard_llama_on_ranks, tp1, tp4)[0]
+    assert equal4 and resharded4 and loss4 == pytest.approx(saved_loss, rel=1e-5)
+    assert read_info(os.path.join(tp4, "step_0000001"))["layout"]["tp"] == 4
+    equal2, loss2, resharded2 = gloo.run(2, _reshard_llama_on_ranks, tp4, None)[0]
+    assert equal2 and resharded2 and loss2 == pytest.approx(saved_loss, rel=1e-5)
+    model = specc_torch.build_model(LLAMA, seed=3, **KV2)
+    load_checkpoint(tp4, model)
+    expected = expected_weights(LLAMA, **KV2)
     assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
-    assert equal4 and resharded4
-    assert loss4 == pytest.approx(saved_loss, rel=1e-5)
     assert loss_of(model).item() == pytest.approx(saved_loss, rel=1e-5)
 
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from train_helpers import assert_steps_agree, make_corpus, run_steps, tiny_config
+from train_helpers import LLAMA_TINY, assert_steps_agree, make_corpus, run_steps, tiny_config
 
 from runtime.ddp import DistributedDataParallel
 from runtime.grads import finalize_model_grads
@@ -86,10 +86,15 @@ def test_distributed_optimizer_follows_the_replicated_one(gloo, corpus, bf16):
         assert rep_full % per_element == 0
 
 
+# multi-query Llama: its one K/V head replicated on both TP ranks, each rank's copy of its
+# gradient summed over TP, counted once in the norm, before the DP reduce-scatter
+MQA = dict(spec=LLAMA_TINY, overrides={"num_query_groups": 1})
+
+
 def _tp_clip(rank, world, data, clip):
     pg = ProcessGroups.initialize(tp=2)
     try:
-        cfg = tiny_config(world, data, tp=2, sp=True, clip=clip, gbs=4)
+        cfg = tiny_config(world, data, tp=2, sp=True, clip=clip, gbs=4, dist_opt=True, **MQA)
         trace = {}
         run_steps(cfg, pg, 2, trace=trace)
         return trace
@@ -98,16 +103,19 @@ def _tp_clip(rank, world, data, clip):
 
 
 def test_clipping_by_the_global_norm_over_tp_counts_each_parameter_once(gloo, corpus):
+    """TP=2 x DP=2 with the distributed optimizer: sharded, replicated and replicated-head
+    parameters each counted once in the norm that clips."""
     clip = 0.05  # far below the norm: every step is clipped
-    cfg = tiny_config(1, corpus, clip=clip, gbs=4)
+    cfg = tiny_config(1, corpus, clip=clip, gbs=4, **MQA)
     lrs = [cfg.optimizer.lr] * 2
-    for got in gloo.run(2, _tp_clip, corpus, clip):
+    for got in gloo.run(4, _tp_clip, corpus, clip)[:1]:
         assert all(n > 10 * clip for n in got["norms"])
         ref = {}
         run_steps(cfg, ProcessGroups.single(), 2, trace=ref, follow=got)
         assert_steps_agree(got, ref, cfg.optimizer, lrs)
         unclipped = {}
-        run_steps(tiny_config(1, corpus, clip=0.0, gbs=4), ProcessGroups.single(), 2, trace=unclipped, follow=got)
+        run_steps(tiny_config(1, corpus, clip=0.0, gbs=4, **MQA), ProcessGroups.single(), 2, trace=unclipped,
+                  follow=got)
         with pytest.raises(AssertionError, match="step 1: gradient"):
             assert_steps_agree(got, unclipped, cfg.optimizer, lrs)  # clipping changed the update
 

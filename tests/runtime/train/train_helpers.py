@@ -18,6 +18,7 @@ from specc_torch.train import compile_model
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
+LLAMA_TINY = os.path.join(ROOT, "specs", "llama-tiny.yaml")
 
 
 def make_corpus(directory: str) -> str:
@@ -29,8 +30,8 @@ def make_corpus(directory: str) -> str:
 
 
 def tiny_config(world: int, data: str, *, tp=1, sp=False, cp=1, mbs=2, gbs=8, dist_opt=False, clip=1.0, lr=3e-3,
-                bucket=4_000_000, bf16=False, **kw) -> TrainConfig:
-    cfg = TrainConfig(spec=GPT_TINY, parallel=ParallelConfig(tp=tp, sp=sp, cp=cp), micro_batch_size=mbs,
+                bucket=4_000_000, bf16=False, spec=GPT_TINY, **kw) -> TrainConfig:
+    cfg = TrainConfig(spec=spec, parallel=ParallelConfig(tp=tp, sp=sp, cp=cp), micro_batch_size=mbs,
                       global_batch_size=gbs, bf16=bf16,
                       optimizer=OptimizerConfig(lr=lr, clip_grad=clip, use_distributed_optimizer=dist_opt,
                                                 bucket_size=bucket), **kw)
