@@ -48,13 +48,13 @@ def test_masks_verify_under_context_parallelism(gloo):
     weights, and the collectives the plan counts, on one world of 4 ranks. mistral-tiny: a
     window of 5 on 32 tokens, at CP 2 shorter than a chunk, at CP 4 longer (the ring skips
     chunk pairs); bert-tiny: bidirectional within packed documents of unequal lengths (verify
-    draws document ids so), TP 2 x CP 2; the variants (a Gemma 2-like decoder): windowed and
-    full layers alternating (window_pattern), soft-capped scores, a custom scale, document ids,
-    GQA, at TP 2 x CP 2 (the full layers all-gather, the windowed ones ring) and CP 4. Both
+    draws document ids so), TP 2 x CP 2; gemma2-tiny: windowed and full layers alternating
+    (window_pattern), soft-capped scores, a custom scale, GQA, at TP 2 x CP 2 (the full layers
+    all-gather, the windowed ones ring); the variants add document ids to those, at CP 4. Both
     comm types of every mask, at CP 2 and 4, against a dense reference:
     tests/runtime/test_context_parallel.py."""
     cases = [("specs/mistral-tiny.yaml", [1], [2, 4], ["p2p"]), ("specs/bert-tiny.yaml", [2], [2], ["all_gather"]),
-             ("specs/bert-tiny.yaml", [1], [2], ["p2p"]), (SPEC, [2], [2], ["auto"]),
+             ("specs/bert-tiny.yaml", [1], [2], ["p2p"]), ("specs/gemma2-tiny.yaml", [2], [2], ["auto"]),
              (SPEC, [1], [4], ["auto"])]
     rows = gloo.run(4, _verify, cases)[0]
     bad = [r for _, r in rows if not r.ok]
@@ -64,11 +64,13 @@ def test_masks_verify_under_context_parallelism(gloo):
                                ("specs/mistral-tiny.yaml", "tp=1 cp=4 p2p sp=off"),
                                ("specs/bert-tiny.yaml", "tp=2 cp=2 all_gather sp=on"),
                                ("specs/bert-tiny.yaml", "tp=1 cp=2 p2p sp=off"),
-                               (SPEC, "tp=2 cp=2 sp=on"), (SPEC, "tp=1 cp=4 sp=off")]), settings
+                               ("specs/gemma2-tiny.yaml", "tp=2 cp=2 sp=on"), (SPEC, "tp=1 cp=4 sp=off")]), settings
     for spec, setting in settings:  # loss, logits, activations, gradients, weights (and the variants' logits
         # returned), collectives; the first five again from randomized weights
         quantities = [r.quantity for s, r in rows if (s, r.setting) == (spec, setting)]
         assert len(quantities) == (13 if spec == SPEC else 11), (setting, quantities)
         assert "random weights: gradients (all params)" in quantities
-    counted = [r.detail for spec, r in rows if r.quantity == "collectives == plan" and spec == SPEC]
-    assert all("send" in d and "reduce_scatter" in d for d in counted), counted  # windowed layers ring, full ones gather
+    # windowed layers ring, full ones all-gather (their gradients reduce-scattered)
+    counted = [r.detail for spec, r in rows if r.quantity == "collectives == plan"
+               and spec in (SPEC, "specs/gemma2-tiny.yaml")]
+    assert len(counted) == 2 and all("send" in d and "reduce_scatter" in d for d in counted), counted
