@@ -91,6 +91,13 @@ def _takes_value(flag: str, others) -> bool | None:
     return None
 
 
+def _bases_first(paths: list, others) -> list:
+    """The specs in `paths`, those extending another one there last (a family's tiny test version
+    says nothing its full spec does not), each part in name order."""
+    parent = {p: m.extends for p, m in others}
+    return sorted(paths, key=lambda p: (parent.get(p) in paths, p))
+
+
 def _named(paths: list) -> str:
     shown = ", ".join(paths[:MAX_NAMED])
     return shown + (f" and {len(paths) - MAX_NAMED} more" if len(paths) > MAX_NAMED else "")
@@ -104,10 +111,10 @@ def _error(prog: str, flag: str, value, given: str, spec: str, declared, others)
         if keys:
             return UsageError(prog, message, f"hint: --set {keys[0]}={value if value else 'VALUE'}, or add "
                               f"'{flag}: {keys[0]}' under megatron: flags: in the spec")
-        paths = [p for p, m in others if flag in m.flags]
+        paths = _bases_first([p for p, m in others if flag in m.flags], others)
         example = f"{prog} {paths[0]} {given}"
         return UsageError(prog, message, f"hint: {_named(paths)} map it to {', '.join(mapping)}: {example}")
-    paths = [p for p, m in others if m.has_structure(flag, value)]
+    paths = _bases_first([p for p, m in others if m.has_structure(flag, value)], others)
     message = f"{given} is a Megatron architecture flag: here the spec holds the architecture, and {spec} " \
               f"does not declare this structure (megatron.structure)"
     if paths:

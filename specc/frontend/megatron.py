@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import Loc, SpecError, did_you_mean
-from .yamlload import LDict
+from .yamlload import LDict, load_yaml, read_text
 
 MEGATRON_KEYS = ("flags", "structure")
 FLAG = re.compile(r"^--[a-z0-9][a-z0-9-]*$")
@@ -32,6 +32,7 @@ class MegatronFlags:
     flags: dict = field(default_factory=dict)  # flag -> config name
     structure: dict = field(default_factory=dict)  # flag -> True (no value) or the value it is given
     config: set = field(default_factory=set)  # the spec's config names (for hints)
+    extends: str | None = None  # the shipped spec this one extends (specs/NAME), in shipped()
 
     def has_structure(self, flag: str, value: str | None) -> bool:
         declared = self.structure.get(flag)
@@ -102,8 +103,13 @@ def shipped() -> list:
     for name in sorted(os.listdir(SHIPPED_SPECS)):
         if not name.endswith((".yaml", ".yml")):
             continue
+        path = os.path.join(SHIPPED_SPECS, name)
         try:
-            out.append((f"specs/{name}", read_megatron(os.path.join(SHIPPED_SPECS, name))))
+            flags = read_megatron(path)
+            own = load_yaml(read_text(path), path)  # its own text: the spec it extends
         except SpecError:
             continue
+        parent = own.get("extends") if isinstance(own, LDict) else None
+        flags.extends = f"specs/{os.path.normpath(parent)}" if isinstance(parent, str) else None
+        out.append((f"specs/{name}", flags))
     return out

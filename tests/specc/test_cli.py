@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -167,7 +168,8 @@ def test_sequence_parallel_at_tp1_is_reported(capsys):
 def test_megatron_architecture_flags_name_the_shipped_spec(capsys, argv, starts):
     err = _one_line(capsys, ["plan", GPT_TINY, *argv], starts)
     hint = err.split(" (hint: ", 1)[1]
-    assert "specs/llama.yaml" in hint and "specs/gpt" not in hint and ": specc plan specs/" in hint
+    assert "specs/gpt" not in hint and ": specc plan specs/" in hint
+    _names_bases_that_declare_it(hint)
 
 
 def test_graph_output_that_is_a_folder(capsys, tmp_path):
@@ -215,3 +217,15 @@ def test_expert_parallelism_on_a_spec_without_experts_is_one_line():
                                 "expert-parallel ranks (drop --expert-model-parallel-size, or use a mixture-of-experts "
                                 "spec (docs/moe.md))")
     assert run("plan", "specs/mixtral-tiny.yaml", "--ep", "2").returncode == 0
+
+
+def _names_bases_that_declare_it(hint: str) -> None:
+    """The hint names shipped specs that declare the flag, the ones extending no other named spec
+    first (full specs before their tiny test versions), and its example runs the first."""
+    from specc.frontend.megatron import shipped
+
+    named = re.findall(r"specs/[\w.-]+\.yaml", hint.split(" have it", 1)[0].split(" map it", 1)[0])
+    extends = {p: m.extends for p, m in shipped()}
+    assert named and all(p in extends for p in named)
+    assert extends[named[0]] not in named
+    assert f"specs/{named[0].split('/')[1]}" in hint.split(": ")[-1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -135,7 +136,8 @@ def test_megatron_architecture_flags(train, argv):
     err = _one_line(train(*argv), f"error: {given} is a Megatron architecture flag: here the spec holds the "
                     "architecture")
     hint = err.split(" (hint: ", 1)[1]
-    assert "specs/llama.yaml" in hint and "specs/gpt" not in hint and ": specc train specs/" in hint
+    assert "specs/gpt" not in hint and ": specc train specs/" in hint
+    _names_bases_that_declare_it(hint)
 
 
 def _checkpoint(root, info=None, latest="1\n"):
@@ -178,3 +180,15 @@ def test_broken_checkpoints_for_load_and_hf_export(train, specc, tmp_path, lates
     assert not out.exists()
     if latest is None:  # and as the place to save into: a save would fail after training
         _one_line(train("--save", ckpt), f"error: --save {ckpt}: {ckpt}/{what}")
+
+
+def _names_bases_that_declare_it(hint: str) -> None:
+    """The hint names shipped specs that declare the flag, the ones extending no other named spec
+    first (full specs before their tiny test versions), and its example runs the first."""
+    from specc.frontend.megatron import shipped
+
+    named = re.findall(r"specs/[\w.-]+\.yaml", hint.split(" have it", 1)[0].split(" map it", 1)[0])
+    extends = {p: m.extends for p, m in shipped()}
+    assert named and all(p in extends for p in named)
+    assert extends[named[0]] not in named
+    assert f"specs/{named[0].split('/')[1]}" in hint.split(": ")[-1]

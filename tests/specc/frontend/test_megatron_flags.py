@@ -58,7 +58,7 @@ def _one_line(capsys, argv) -> str:
 def test_flags_the_spec_does_not_declare(capsys):
     err = _one_line(capsys, ["plan", LLAMA_TINY, "--hidden-dropout", "0.1"])
     assert err.startswith(f"error: --hidden-dropout 0.1: {LLAMA_TINY} maps no config value to --hidden-dropout")
-    assert err.endswith("map it to hidden_dropout: specc plan specs/gpt-tiny.yaml --hidden-dropout 0.1)")
+    assert err.endswith("map it to hidden_dropout: specc plan specs/gpt.yaml --hidden-dropout 0.1)")
     err = _one_line(capsys, ["plan", LLAMA_TINY, "--normalization", "LayerNorm"])
     assert "specs/gpt.yaml" in err.split("(hint: ")[1] and "llama" not in err.split("(hint: ")[1]
     err = _one_line(capsys, ["plan", GPT_TINY, "--position-embedding-type", "alibi"])
@@ -83,8 +83,9 @@ def test_the_hint_comes_from_the_shipped_specs(capsys, tmp_path, monkeypatch):
     for i in range(5):
         (tmp_path / f"relu2-{i}.yaml").write_text(f"name: r{i}\nextends: relu2.yaml\n")
     err = _one_line(capsys, ["plan", GPT_TINY, "--squared-relu"])
-    assert err.endswith("(hint: specs/relu2-0.yaml, specs/relu2-1.yaml, specs/relu2-2.yaml, specs/relu2-3.yaml and "
-                        "2 more have it: specc plan specs/relu2-0.yaml)")
+    # the spec they extend first (name order would put relu2-0 before relu2), then the extensions
+    assert err.endswith("(hint: specs/relu2.yaml, specs/relu2-0.yaml, specs/relu2-1.yaml, specs/relu2-2.yaml and "
+                        "2 more have it: specc plan specs/relu2.yaml)")
     # a value flag another spec maps to a config value this spec has too: --set it, or map it here
     err = _one_line(capsys, ["plan", GPT_TINY, "--ffn-dim", "96"])
     assert err.endswith("(hint: --set ffn_hidden_size=96, or add '--ffn-dim: ffn_hidden_size' under megatron: "
