@@ -155,8 +155,9 @@ def _model_inputs(spec, graph) -> list:
 DOCUMENTS = "documents"
 
 
-def _document_ids(graph, value_id: str) -> bool:
-    """Does the input reach an attention's 4th input (document ids), through layout conversions?"""
+def _uses(graph, value_id: str):
+    """(op, value) for every op reading the value, seen through layout conversions (a boundary's
+    outputs are the same ids or tokens)."""
     todo, seen = [value_id], set()
     while todo:
         v = todo.pop()
@@ -166,25 +167,22 @@ def _document_ids(graph, value_id: str) -> bool:
         for op in graph.users(v):
             if op.kind == "boundary":
                 todo += op.outputs
-            elif op.kind == "core_attention" and op.inputs[3:] == [v]:
-                return True
-    return False
+            else:
+                yield op, v
+
+
+def _document_ids(graph, value_id: str) -> bool:
+    """Does the input reach an attention's 4th input (document ids)?"""
+    return any(op.kind == "core_attention" and op.inputs[3:] == [v] for op, v in _uses(graph, value_id))
 
 
 def _index_bounds(graph, value_id: str) -> list:
-    bounds, todo, seen = [], [value_id], set()
-    while todo:
-        v = todo.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        for op in graph.users(v):
-            if op.kind == "boundary":  # a layout conversion: the same ids
-                todo += op.outputs
-            elif op.kind == "embedding":
-                bounds.append(op.attrs["num_embeddings"])
-            elif op.kind == "cross_entropy" and op.inputs[1] == v:
-                bounds.append(graph.values[op.inputs[0]].shape[-1])
+    bounds = []
+    for op, v in _uses(graph, value_id):
+        if op.kind == "embedding":
+            bounds.append(op.attrs["num_embeddings"])
+        elif op.kind == "cross_entropy" and op.inputs[1] == v:
+            bounds.append(graph.values[op.inputs[0]].shape[-1])
     return bounds
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -165,11 +164,11 @@ def test_sequence_parallel_at_tp1_is_reported(capsys):
     (["--untie-embeddings-and-output-weights"], "error: --untie-embeddings-and-output-weights is a Megatron "
      "architecture flag"),
 ])
-def test_megatron_architecture_flags_name_the_shipped_spec(capsys, argv, starts):
+def test_megatron_architecture_flags_name_the_shipped_spec(capsys, argv, starts, names_bases_that_declare_it):
     err = _one_line(capsys, ["plan", GPT_TINY, *argv], starts)
     hint = err.split(" (hint: ", 1)[1]
     assert "specs/gpt" not in hint and ": specc plan specs/" in hint
-    _names_bases_that_declare_it(hint)
+    names_bases_that_declare_it(hint)
 
 
 def test_graph_output_that_is_a_folder(capsys, tmp_path):
@@ -218,14 +217,3 @@ def test_expert_parallelism_on_a_spec_without_experts_is_one_line():
                                 "spec (docs/moe.md))")
     assert run("plan", "specs/mixtral-tiny.yaml", "--ep", "2").returncode == 0
 
-
-def _names_bases_that_declare_it(hint: str) -> None:
-    """The hint names shipped specs that declare the flag, the ones extending no other named spec
-    first (full specs before their tiny test versions), and its example runs the first."""
-    from specc.frontend.megatron import shipped
-
-    named = re.findall(r"specs/[\w.-]+\.yaml", hint.split(" have it", 1)[0].split(" map it", 1)[0])
-    extends = {p: m.extends for p, m in shipped()}
-    assert named and all(p in extends for p in named)
-    assert extends[named[0]] not in named
-    assert f"specs/{named[0].split('/')[1]}" in hint.split(": ")[-1]

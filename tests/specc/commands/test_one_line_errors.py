@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import pytest
 
@@ -131,13 +130,13 @@ def test_conflicting_duplicate_flags(train):
 @pytest.mark.parametrize("argv", [["--swiglu"], ["--group-query-attention", "--num-query-groups", "4"],
                                   ["--normalization", "RMSNorm"], ["--position-embedding-type", "rope"],
                                   ["--disable-bias-linear"]])
-def test_megatron_architecture_flags(train, argv):
+def test_megatron_architecture_flags(train, argv, names_bases_that_declare_it):
     given = argv[0] if argv[0] == "--group-query-attention" else " ".join(argv)
     err = _one_line(train(*argv), f"error: {given} is a Megatron architecture flag: here the spec holds the "
                     "architecture")
     hint = err.split(" (hint: ", 1)[1]
     assert "specs/gpt" not in hint and ": specc train specs/" in hint
-    _names_bases_that_declare_it(hint)
+    names_bases_that_declare_it(hint)
 
 
 def _checkpoint(root, info=None, latest="1\n"):
@@ -181,14 +180,3 @@ def test_broken_checkpoints_for_load_and_hf_export(train, specc, tmp_path, lates
     if latest is None:  # and as the place to save into: a save would fail after training
         _one_line(train("--save", ckpt), f"error: --save {ckpt}: {ckpt}/{what}")
 
-
-def _names_bases_that_declare_it(hint: str) -> None:
-    """The hint names shipped specs that declare the flag, the ones extending no other named spec
-    first (full specs before their tiny test versions), and its example runs the first."""
-    from specc.frontend.megatron import shipped
-
-    named = re.findall(r"specs/[\w.-]+\.yaml", hint.split(" have it", 1)[0].split(" map it", 1)[0])
-    extends = {p: m.extends for p, m in shipped()}
-    assert named and all(p in extends for p in named)
-    assert extends[named[0]] not in named
-    assert f"specs/{named[0].split('/')[1]}" in hint.split(": ")[-1]
