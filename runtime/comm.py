@@ -173,6 +173,8 @@ def all_reduce(t: torch.Tensor, group: Group, async_op: bool = False, op: str = 
         raise ValueError(f"all_reduce op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
     _check_contiguous(t, "all_reduce tensor")
     CommCounter._record("all_reduce", group, t)
+    if _shared_memory(group, t):
+        return CommTimer._timed("all_reduce", group, t, lambda: group.transport.all_reduce(t, op, async_op))
     return CommTimer._timed("all_reduce", group, t, lambda: dist.all_reduce(
         t, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]), group=group.group, async_op=async_op))
 
@@ -186,6 +188,8 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group, a
     _check_contiguous(out, "all_gather output")
     _check_contiguous(inp, "all_gather input")
     CommCounter._record("all_gather", group, out)
+    if _shared_memory(group, out, inp):
+        return CommTimer._timed("all_gather", group, out, lambda: group.transport.all_gather(out, inp, async_op))
     return CommTimer._timed("all_gather", group, out, lambda: _all_gather(out, inp, group=group.group,
                                                                            async_op=async_op))
 
@@ -199,6 +203,9 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group, as
     _check_contiguous(out, "reduce_scatter output")
     _check_contiguous(inp, "reduce_scatter input")
     CommCounter._record("reduce_scatter", group, inp)
+    if _shared_memory(group, out, inp):
+        return CommTimer._timed("reduce_scatter", group, inp, lambda: group.transport.reduce_scatter(out, inp,
+                                                                                                     async_op))
     return CommTimer._timed("reduce_scatter", group, inp, lambda: _reduce_scatter(out, inp, group=group.group,
                                                                                    async_op=async_op))
 
@@ -249,6 +256,13 @@ def send_recv(send_tensor: torch.Tensor | None, dst: int | None, recv_tensor: to
         CommCounter._record("recv", group, recv_tensor)
         ops.append(dist.P2POp(dist.irecv, recv_tensor, group.ranks[src], group.group, tag))
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _shared_memory(group: Group, *tensors: torch.Tensor) -> bool:
+    """Whether this collective goes through the group's shared-memory transport: CPU tensors of
+    one dtype on a group that has one."""
+    return (group.transport is not None and all(t.device.type == "cpu" for t in tensors)
+            and len({t.dtype for t in tensors}) == 1)
 
 
 def _check_peer(peer: int, group: Group, what: str) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .shared_memory import open_transports
+
 # Axis order from innermost to outermost; it fixes the rank layout above.
 _AXES = ("tp", "cp", "dp", "pp")
 
@@ -38,6 +40,9 @@ class Group:
     group: Any
     ranks: tuple[int, ...]
     name: str
+    # a SharedMemoryTransport when the group's ranks share a host (runtime/shared_memory.py):
+    # runtime.comm then moves CPU tensors through it instead of torch.distributed
+    transport: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def single(cls, name: str) -> Group:
@@ -59,6 +64,8 @@ class ProcessGroups:
     embd: Group = field(default_factory=lambda: Group.single("embd"))
     # Groups this object created with dist.new_group, destroyed by destroy().
     _created: list = field(default_factory=list, repr=False, compare=False)
+    # group name -> why it has no shared-memory transport (runtime/shared_memory.open_transports)
+    transport_reasons: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def single(cls) -> ProcessGroups:
@@ -72,12 +79,15 @@ class ProcessGroups:
         )
 
     @classmethod
-    def initialize(cls, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, ep: int = 1) -> ProcessGroups:
+    def initialize(cls, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, ep: int = 1,
+                   transport: str = "auto") -> ProcessGroups:
         """Build every group of the (tp, cp, dp, pp) grid; collective over the world.
 
         Every rank calls dist.new_group for every group (of size > 1) in the same
         order, as torch.distributed requires, and keeps the ones it belongs to.
         Size-1 axes get no process group: their collectives are no-ops.
+        `transport` ("auto", "shm", "torch") says which groups move CPU tensors through
+        shared memory instead of torch.distributed (runtime/shared_memory.py).
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -117,7 +127,21 @@ class ProcessGroups:
                 created.append(handle)
                 if rank in ends:
                     groups["embd"] = Group(size=2, rank=ends.index(rank), group=handle, ranks=ends, name="embd")
-        return cls(**groups, world_size=world, rank=rank, _created=created)
+        groups, reasons = open_transports(groups, transport)
+        return cls(**groups, world_size=world, rank=rank, _created=created, transport_reasons=reasons)
+
+    def transport_summary(self) -> str:
+        """One line: which groups move CPU tensors through shared memory, which through
+        torch.distributed, and why."""
+        groups = [self.tp, self.cp, self.dp, self.pp, self.ep, self.edp, self.embd]
+        shm = [g.name for g in groups if g.size > 1 and g.transport is not None]
+        other = [f"{g.name} ({self.transport_reasons.get(g.name, 'no transport opened')})"
+                 for g in groups if g.size > 1 and g.transport is None]
+        if not shm and not other:
+            return "collectives: none (every group has one rank)"
+        parts = ([f"{', '.join(shm)} through shared memory"] if shm else []) + \
+            ([f"{', '.join(other)} through torch.distributed"] if other else [])
+        return "collectives on CPU tensors: " + "; ".join(parts)
 
     def destroy(self) -> None:
         """Destroy the groups initialize() created; safe to call twice."""
