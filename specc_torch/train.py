@@ -62,7 +62,8 @@ def config_from_args(args) -> TrainConfig:
                                 pp_virtual_stage_layers=args.pp_virtual_stage_layers,
                                 pp_first_stage_layers=args.pp_first_stage_layers,
                                 pp_last_stage_layers=args.pp_last_stage_layers, pp_layout=args.pp_layout,
-                                pp_schedule=args.pp_schedule, ep=args.ep, etp=args.etp),
+                                pp_schedule=args.pp_schedule, ep=args.ep, etp=args.etp,
+                                transport=args.transport),
         optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                                   clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
@@ -550,9 +551,13 @@ def run(cfg: TrainConfig, stream=None) -> int:
     if world > 1 and not dist.is_initialized():
         init_process_group("nccl" if device.type == "cuda" else "gloo")
         initialized_here = True
-    pg = ProcessGroups.initialize(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp, ep=cfg.parallel.ep) \
-        if world > 1 \
-        else ProcessGroups.single()
+    try:
+        pg = ProcessGroups.initialize(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp, ep=cfg.parallel.ep,
+                                      transport=cfg.parallel.transport) \
+            if world > 1 \
+            else ProcessGroups.single()
+    except ValueError as e:  # --collective-transport shm where it cannot be used
+        return fail(ConfigError([f"--collective-transport shm: {e}"]))
     reporter = NullReporter()
     try:
         if not has_data(cfg):  # launched by hand without --data-path: one preparer per node
@@ -735,6 +740,8 @@ def _report_setup(reporter, cfg: TrainConfig, setup, pg, datasets) -> None:
     reporter.info(f"world {pg.world_size} = TP {pg.tp.size} x CP {pg.cp.size} x DP {pg.dp.size} x PP {pg.pp.size}; "
                   f"global batch {cfg.global_batch_size} = micro batch {cfg.micro_batch_size} x DP {pg.dp.size} x "
                   f"{cfg.num_micro_batches} accumulation steps; device {setup.device}")
+    if pg.world_size > 1 and setup.device.type == "cpu":
+        reporter.info(pg.transport_summary())
     reporter.info(f"parameters on this rank: {params:,} ({setup.ddp.param_dtype}); gradient buckets: "
                   f"{len(setup.ddp.buckets)}; {'bf16 autocast, ' if cfg.bf16 else ''}"
                   f"{_fp16_text(cfg) if cfg.fp16 else ''}fp32 gradients and master weights; optimizer "

@@ -32,6 +32,7 @@ class ParallelConfig:
     dp: int = 1  # derived from the world size by `resolve`
     ep: int = 1  # expert-model-parallel: carved out of the DP ranks (Megatron), so it must divide dp
     etp: int | None = None  # expert-tensor-parallel: must equal tp (experts are sharded over the TP ranks)
+    transport: str = "auto"  # CPU collectives: runtime.shared_memory.TRANSPORTS (auto, shm, torch)
 
 
 @dataclass

@@ -52,6 +52,9 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--pipeline-schedule", dest="pp_schedule", default=None,
                    choices=("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble"),
                    help="torch.distributed.pipelining schedule (default 1f1b; interleaved_1f1b with virtual stages)")
+    g.add_argument("--collective-transport", dest="transport", choices=("auto", "shm", "torch"), default="auto",
+                   help="CPU tensors' collectives within a host: shm (shared memory), torch (torch.distributed, "
+                   "gloo), or auto (shared memory where the host has a core per rank)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard Adam state and fp32 master weights over the data-parallel ranks")
     g.add_argument("--ddp-bucket-size", type=int, default=4_000_000, metavar="ELEMENTS",
