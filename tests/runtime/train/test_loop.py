@@ -102,7 +102,9 @@ def _train_run(rank, world, data, run_dir):
         cfg.logging.run_dir, cfg.logging.log_interval, cfg.logging.progress = run_dir, 10, False
         cfg.checkpoint.save = os.path.join(run_dir, "ckpt")
         cfg.parallel.dp = 1  # derived again inside run
-        return run(cfg, stream=io.StringIO())
+        cfg.parallel.transport = "shm"  # 4 ranks on fewer cores: "auto" would keep gloo
+        log = io.StringIO()
+        return run(cfg, stream=log), log.getvalue()
     finally:
         for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
             os.environ.pop(key, None)
@@ -110,7 +112,9 @@ def _train_run(rank, world, data, run_dir):
 
 def test_a_4_rank_tp2_dp2_run_trains(gloo, corpus, tmp_path):
     run_dir = str(tmp_path / "run")
-    assert gloo.run(4, _train_run, corpus, run_dir) == [0, 0, 0, 0]
+    outcomes = gloo.run(4, _train_run, corpus, run_dir)
+    assert [code for code, _ in outcomes] == [0, 0, 0, 0]
+    assert "collectives on CPU tensors: tp, dp, edp through shared memory" in outcomes[0][1]
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
@@ -124,7 +128,8 @@ def test_a_4_rank_tp2_dp2_run_trains(gloo, corpus, tmp_path):
     saved = json.load(open(os.path.join(run_dir, "config.json")))
     assert saved["train"]["parallel"] == {"tp": 2, "sp": True, "cp": 1, "cp_comm_type": "auto", "pp": 1, "dp": 2, "ep": 1,
                                          "etp": None, "pp_virtual_stage_layers": None, "pp_first_stage_layers": None,
-                                         "pp_last_stage_layers": None, "pp_layout": None, "pp_schedule": None}
+                                         "pp_last_stage_layers": None, "pp_layout": None, "pp_schedule": None,
+                                         "transport": "shm"}
     assert saved["model"]["seq_length"] == 32
     # Its final checkpoint loads in one process at TP=1 (resharded) as the same model: the
     # validation loss on the same samples agrees.
