@@ -6,6 +6,9 @@ otherwise pick, measured side by side in one run at TP=1, TP=2 and TP=2 with SP:
                  architecture (learned positions, LayerNorm, tanh GELU, biases, tied output),
                  Megatron's own SP layer-norm gradient all-reduce after backward
   specc+compile  (with --torch-compile) specc with each layer compiled (runtime.compile_layers)
+  specc-gloo     (TP > 1) specc with its collectives on gloo (transport "torch"), as Megatron's
+                 are; "specc" uses the default transport, shared memory where every rank has a
+                 core (runtime/shared_memory.py)
   specc-own      specc's own training step: runtime.DistributedDataParallel, finalize_model_grads
                  and runtime.optim.Adam (flat buffers, torch's fused AdamW kernel)
   megatron-own   Megatron Core's own: its DistributedDataParallel, finalize_model_grads and
@@ -71,7 +74,7 @@ from runtime.optim import Adam  # noqa: E402
 
 SPEC = os.path.join(ROOT, "specs", "gpt.yaml")
 SETTINGS = {"tp1": (1, False), "tp2": (2, False), "tp2sp": (2, True)}
-LABELS = {"tp1": "TP=1", "tp2": "TP=2 (2 gloo ranks)", "tp2sp": "TP=2 + SP (2 gloo ranks)"}
+LABELS = {"tp1": "TP=1", "tp2": "TP=2 (2 ranks)", "tp2sp": "TP=2 + SP (2 ranks)"}
 
 
 # -- Megatron Core on the CPU ----------------------------------------------------------------------
@@ -297,7 +300,7 @@ def _rank(rank, world, port, cfg, setting, results):
         from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
 
         tp, sp = SETTINGS[setting]
-        pg = runtime.ProcessGroups.initialize(tp=tp)
+        pg = runtime.ProcessGroups.initialize(tp=tp)  # the default transport: shared memory where it can
         ours = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
                                        micro_batch_size=cfg.batch)
         full = {n: full_parameter(p, pg.tp) for n, p in ours.named_parameters()}
@@ -306,6 +309,14 @@ def _rank(rank, world, port, cfg, setting, results):
         runners = [Runner("specc", ours, compiled_loss, lambda: runtime.finalize_model_grads(ours, pg)),
                    Runner("megatron", theirs, megatron_loss_fn(cfg.seq),
                           lambda: _allreduce_non_tensor_model_parallel_grads([theirs], mconfig))]
+        groups = [pg]
+        if tp > 1:  # specc on Megatron's transport: what the shared-memory collectives are worth
+            on_gloo = runtime.ProcessGroups.initialize(tp=tp, transport="torch")
+            groups.append(on_gloo)
+            specc_gloo = specc_torch.build_model(SPEC, on_gloo, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
+                                                 micro_batch_size=cfg.batch)
+            runners.append(Runner("specc-gloo", specc_gloo, compiled_loss,
+                                  lambda: runtime.finalize_model_grads(specc_gloo, on_gloo)))
         if cfg.own_step:  # second copies of both models (the steps change the weights)
             ours2 = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
                                             micro_batch_size=cfg.batch)
@@ -328,9 +339,14 @@ def _rank(rank, world, port, cfg, setting, results):
             # while other processes load the machine would understate it and inflate the MFU
             peaks.append(gemm_peak_gflops())
             rounds.append(measure(runners, batches, cfg.steps))
-        comm_time = collective_time(runners[0], batches) if tp > 1 else None
-        results.put((rank, {"rounds": rounds, "peak_gflops": max(peaks), "comm": comm_time}))
-        pg.destroy()
+        comm_time = None
+        if tp > 1:
+            named = {r.name: r for r in runners}
+            comm_time = {name: collective_time(named[name], batches) for name in ("specc", "specc-gloo")}
+        transport = "shared memory" if pg.tp.transport is not None else "gloo"
+        results.put((rank, {"rounds": rounds, "peak_gflops": max(peaks), "comm": comm_time, "transport": transport}))
+        for g in groups:
+            g.destroy()
     except BaseException:
         import traceback
 
@@ -371,21 +387,27 @@ def run_setting(cfg, setting: str) -> dict:
               for k in range(cfg.rounds)]
     first = {n: got[0]["rounds"][0][n][2] for n in got[0]["rounds"][0]}
     comm_time = None
-    if got[0]["comm"] is not None:  # the rank that waited longest: it sets the step's end
-        comm_time = max((got[r]["comm"] for r in got), key=lambda c: c["exposed"])
+    if got[0]["comm"] is not None:  # per runner, the rank that waited longest: it sets the step's end
+        comm_time = {name: max((got[r]["comm"][name] for r in got), key=lambda c: c["exposed"])
+                     for name in got[0]["comm"]}
     return {"rounds": rounds, "first_loss": first, "peak_gflops": min(got[r]["peak_gflops"] for r in got),
-            "comm": comm_time}
+            "comm": comm_time, "transport": got[0]["transport"]}
 
 
 # -- report ----------------------------------------------------------------------------------------
 
 def table(cfg, results: dict, flops: float, ours: str = "specc", theirs: str = "megatron") -> str:
     """One row per setting: `ours` against `theirs` (the model step with the same torch AdamW, or
-    each system's own training step), and specc with --torch-compile against both."""
+    each system's own training step); for the model step also specc on gloo (Megatron's transport)
+    and specc with --torch-compile, against both."""
     compiled = cfg.torch_compile and ours == "specc"
+    gloo = ours == "specc" and any("specc-gloo" in res["rounds"][0] for res in results.values())
     head = ("| setting | specc step (ms) | Megatron Core step (ms) | specc / Megatron | target | specc MFU | "
             "Megatron MFU | first-loss diff |")
     cols = head.count("|") - 1
+    if gloo:
+        head += " specc on gloo (ms) | on gloo / Megatron |"
+        cols += 2
     if compiled:
         head += " specc+compile (ms) | compile / eager | compile / Megatron |"
         cols += 3
@@ -401,6 +423,11 @@ def table(cfg, results: dict, flops: float, ours: str = "specc", theirs: str = "
         diff = abs(res["first_loss"][ours] - res["first_loss"][theirs])
         line = (f"| {LABELS[setting]} | {med[ours] * 1e3:.1f} | {med[theirs] * 1e3:.1f} | **{ratio:.3f}** | "
                 f"{target} {'met' if met else 'missed'} | {util[ours]:.1%} | {util[theirs]:.1%} | {diff:.1e} |")
+        if gloo and "specc-gloo" in res["rounds"][0]:
+            g = statistics.median(r["specc-gloo"] for r in res["rounds"])
+            line += f" {g * 1e3:.1f} | {statistics.median(r['specc-gloo'] / r[theirs] for r in res['rounds']):.3f} |"
+        elif gloo:
+            line += " — | — |"
         if compiled:
             c = med["specc+compile"]
             line += f" {c * 1e3:.1f} | {c / med[ours]:.3f} | {c / med[theirs]:.3f} |"
@@ -409,14 +436,13 @@ def table(cfg, results: dict, flops: float, ours: str = "specc", theirs: str = "
 
 
 def comm_table(results: dict) -> str:
-    lines = ["| setting | collectives per step | MiB per rank | alone (ms) | waited in the step (ms) | hidden |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| setting | transport | collectives per step | MiB per rank | alone (ms) | waited in the step (ms) | "
+             "hidden |", "|---|---|---|---|---|---|---|"]
     for setting, res in results.items():
-        c = res["comm"]
-        if c is None:
-            continue
-        lines.append(f"| {LABELS[setting]} | {c['count']} | {c['bytes'] / 2 ** 20:.1f} | {c['alone'] * 1e3:.1f} | "
-                     f"{c['exposed'] * 1e3:.1f} | {1 - c['exposed'] / c['alone']:.0%} |")
+        for name, c in (res["comm"] or {}).items():
+            transport = "gloo" if name == "specc-gloo" else res["transport"]
+            lines.append(f"| {LABELS[setting]} | {transport} | {c['count']} | {c['bytes'] / 2 ** 20:.1f} | "
+                         f"{c['alone'] * 1e3:.1f} | {c['exposed'] * 1e3:.1f} | {1 - c['exposed'] / c['alone']:.0%} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -438,6 +464,11 @@ Model: {shape}. FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak measu
   with SP its torch LayerNorm is replaced through the spec by the same norm with parameters tagged
   `sequence_parallel`, whose gradients Megatron's own `_allreduce_non_tensor_model_parallel_grads`
   all-reduces; an explicit causal mask; its CUDA RNG-tracker calls routed to the CPU generator.
+- **Transports**: specc moves its collectives through shared memory where every rank of a host
+  has a core (`runtime/shared_memory.py`, the default `auto` of `ProcessGroups.initialize` and
+  `--collective-transport`; {transport} in this run); Megatron Core issues its collectives on
+  torch.distributed itself, gloo here. The *specc on gloo* columns run specc on gloo as well: the
+  gap between the two specc columns is the transport, the rest is the implementation.
 - **MFU** = FLOPs per step / step time / (GEMM peak x ranks).
 - **first-loss diff**: both start from the same weights (cut to Megatron's shards, QKV per head), so
   the first losses agree: it is the same function.
@@ -446,13 +477,16 @@ Model: {shape}. FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak measu
 
 COMM = """
 **specc's collectives** in one model step (`runtime.comm.CommTimer`, the rank that waited
-longest): issued alone, one after another, against the time the step waits on them (blocking
-calls, and the wait() of the async ones: the input-gradient all-reduce / reduce-scatter runs
-during the weight-gradient GEMM, the sequence-parallel re-gather during the input-gradient
-GEMM). "hidden" = 1 - waited / alone; it is negative when waiting also absorbs the other rank
-being late. Where every core runs a rank (2 ranks on 2 cores here), gloo's socket transfers need
-the very cores the GEMMs use, so an async collective only takes turns with the GEMM it was to hide
-behind; hiding needs a spare core or a NIC/NVLink engine doing the transfer (NCCL on GPUs).
+longest), on each transport: issued alone, one after another, against the time the step waits on
+them (blocking calls, and the wait() of the async ones: the input-gradient all-reduce /
+reduce-scatter runs during the weight-gradient GEMM, the sequence-parallel re-gather during the
+input-gradient GEMM). "hidden" = 1 - waited / alone; it is negative when waiting also absorbs the
+other rank being late, which is most of the wait once the collectives themselves are short.
+Where every core runs a rank (2 ranks on 2 cores here) no core is free to move data while the
+GEMMs run, so an async collective only takes turns with the GEMM it was to hide behind: what
+shortens the step here is making the collectives cheap (shared memory: a copy into a mapped slot,
+no socket round trip), not hiding them; hiding needs a spare core or a NIC/NVLink engine doing the
+transfer (NCCL on GPUs).
 
 {table}
 """
@@ -467,6 +501,11 @@ on both sides.
 
 {table}
 """
+
+
+def _transports(results: dict) -> str:
+    used = sorted({res["transport"] for setting, res in results.items() if SETTINGS[setting][0] > 1})
+    return "shared memory" if used == ["shared memory"] else ", ".join(used) or "no collectives"
 
 
 def main(argv=None) -> int:
@@ -519,7 +558,7 @@ def main(argv=None) -> int:
         own = OWN.format(table=table(cfg, results, flops, "specc-own", "megatron-own"))
         print(own)
     for setting, res in results.items():
-        for ours, theirs in (("specc", "megatron"), ("specc-own", "megatron-own")):
+        for ours, theirs in (("specc", "megatron"), ("specc-gloo", "megatron"), ("specc-own", "megatron-own")):
             if ours not in res["first_loss"]:
                 continue
             a, b = res["first_loss"][ours], res["first_loss"][theirs]
@@ -531,7 +570,7 @@ def main(argv=None) -> int:
         peak = min(r["peak_gflops"] for r in results.values())
         replace_section(cfg.output, DOC.format(date=datetime.date.today().isoformat(), machine=machine_line(),
                                          elapsed=elapsed, shape=shape, flops=flops, peak=peak, table=text, own=own, comm=collectives,
-                                         rounds=cfg.rounds))
+                                         rounds=cfg.rounds, transport=_transports(results)))
         print(f"wrote {cfg.output}")
     return 0
 

@@ -23,7 +23,8 @@ megatron_step = _load()
 
 
 def _result(rounds, comm=None):
-    return {"rounds": rounds, "first_loss": {n: 8.25 for n in rounds[0]}, "peak_gflops": 100.0, "comm": comm}
+    return {"rounds": rounds, "first_loss": {n: 8.25 for n in rounds[0]}, "peak_gflops": 100.0, "comm": comm,
+            "transport": "shared memory"}
 
 
 def test_the_ratio_is_the_median_of_per_round_ratios_and_the_targets_follow_tp():
@@ -45,11 +46,25 @@ def test_the_ratio_is_the_median_of_per_round_ratios_and_the_targets_follow_tp()
 def test_the_collectives_table_says_how_much_of_their_time_the_step_hides():
     results = {"tp1": _result([{"specc": 1.0, "megatron": 1.0}]),
                "tp2": _result([{"specc": 1.0, "megatron": 1.0}],
-                              {"count": 20, "bytes": 18 * 2 ** 20, "alone": 0.080, "exposed": 0.020}),
+                              {"specc": {"count": 20, "bytes": 18 * 2 ** 20, "alone": 0.080, "exposed": 0.020},
+                               "specc-gloo": {"count": 20, "bytes": 18 * 2 ** 20, "alone": 0.160, "exposed": 0.120}}),
                "tp2sp": _result([{"specc": 1.0, "megatron": 1.0}],
-                                {"count": 49, "bytes": 46 * 2 ** 20, "alone": 0.100, "exposed": 0.110})}
+                                {"specc": {"count": 49, "bytes": 46 * 2 ** 20, "alone": 0.100, "exposed": 0.110}})}
     rows = megatron_step.comm_table(results).splitlines()[2:]
-    assert len(rows) == 2  # TP=1 issues none
-    assert rows[0] == "| TP=2 (2 gloo ranks) | 20 | 18.0 | 80.0 | 20.0 | 75% |"
-    assert rows[1].endswith("| -10% |")  # waiting absorbed the other rank being late
+    assert len(rows) == 3  # TP=1 issues none
+    assert rows[0] == "| TP=2 (2 ranks) | shared memory | 20 | 18.0 | 80.0 | 20.0 | 75% |"
+    assert rows[1] == "| TP=2 (2 ranks) | gloo | 20 | 18.0 | 160.0 | 120.0 | 25% |"
+    assert rows[2].endswith("| -10% |")  # waiting absorbed the other rank being late
     assert megatron_step.comm_table({"tp1": results["tp1"]}) == ""
+
+
+def test_specc_on_gloo_is_a_column_of_the_model_step_at_tp_above_one():
+    cfg = types.SimpleNamespace(torch_compile=False)
+    tp1 = [{"specc": 0.9, "megatron": 1.0}] * 3
+    tp2 = [{"specc": 0.7, "megatron": 1.0, "specc-gloo": g} for g in (0.95, 1.1, 0.9)]
+    text = megatron_step.table(cfg, {"tp1": _result(tp1), "tp2": _result(tp2)}, flops=50e9)
+    head, _, row1, row2 = text.splitlines()
+    assert head.endswith(" specc on gloo (ms) | on gloo / Megatron |")
+    assert row1.endswith("| — | — |")  # one rank: no collectives, no transport
+    assert row2.endswith("| 950.0 | 0.950 |")  # the median step and the median per-round ratio
+    assert megatron_step._transports({"tp1": _result(tp1), "tp2": _result(tp2)}) == "shared memory"
