@@ -71,6 +71,7 @@ class SharedMemoryWork:
     def __init__(self, transport: SharedMemoryTransport, pending: _Pending) -> None:
         self._transport, self._pending = transport, pending
 
+    @torch.compiler.disable
     def wait(self, *args, **kwargs) -> bool:
         self._transport._finish(self._pending)
         return True
@@ -99,6 +100,10 @@ class SharedMemoryTransport:
 
     # -- the collectives (contiguous tensors; the caller, runtime.comm, checks shapes) ------------
 
+    # torch.compile runs these eagerly (a graph break, as at a torch.distributed call): traced, the
+    # counter's store could be reordered against the data's, and each new operation number
+    # would recompile the graph
+    @torch.compiler.disable
     def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
         flat = t.view(-1)
         reduce = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
@@ -114,6 +119,7 @@ class SharedMemoryTransport:
 
         return self._run(flat.numel(), self.slot_bytes // t.element_size(), piece, async_op)
 
+    @torch.compiler.disable
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         src, dst, n = inp.view(-1), out.view(self.size, -1), inp.numel()
 
@@ -125,6 +131,7 @@ class SharedMemoryTransport:
 
         return self._run(n, self.slot_bytes // inp.element_size(), piece, async_op)
 
+    @torch.compiler.disable
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         src, dst, t = inp.view(self.size, -1), out.view(-1), self.size
 
