@@ -22,16 +22,12 @@ import argparse
 import datetime
 import json
 import os
-import queue
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -47,6 +43,7 @@ from train_step import (  # noqa: E402
     mfu,
     overrides,
     plan_flops,
+    run_ranks,
 )
 
 import runtime  # noqa: E402
@@ -98,40 +95,16 @@ def bench_cp1(cfg):
     return run_steps(model, pg, make_batches(cfg), cfg.steps)
 
 
-def _cp_rank(rank, world, port, cfg, results):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    try:
-        pg = runtime.ProcessGroups.initialize(cp=world)
-        model = specc_torch.build_model(SPEC, pg, seed=cfg.seed, overrides=overrides(cfg), micro_batch_size=cfg.batch)
-        results.put((rank, run_steps(model, pg, make_batches(cfg), cfg.steps)))
-        pg.destroy()
-    finally:
-        dist.destroy_process_group()
+def _cp_rank(rank, world, cfg):
+    pg = runtime.ProcessGroups.initialize(cp=world)
+    model = specc_torch.build_model(SPEC, pg, seed=cfg.seed, overrides=overrides(cfg), micro_batch_size=cfg.batch)
+    out = run_steps(model, pg, make_batches(cfg), cfg.steps)
+    pg.destroy()
+    return out
 
 
 def bench_cp(cfg, world: int):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_cp_rank, args=(r, world, port, cfg, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    while len(got) < world:
-        try:
-            rank, out = results.get(timeout=1.0)
-            got[rank] = out
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"a CP={world} rank failed (its traceback is above)") from None
-    for p in procs:
-        p.join()
+    got = run_ranks(_cp_rank, world, cfg, what=f"CP={world}")
     return (max(o[0] for o in got.values()), max(o[1] for o in got.values()), got[0][2])
 
 
@@ -139,7 +112,7 @@ def table(cp1, cp2, plan1, plan2, flops, peak) -> str:
     (t1, m1, l1), (t2, m2, l2) = cp1, cp2
     mib = 2.0 ** 20
     lines = [
-        "| | CP=1 (1 rank) | CP=2 (2 gloo ranks) | CP=2 / CP=1 |",
+        "| | CP=1 (1 rank) | CP=2 (2 ranks) | CP=2 / CP=1 |",
         "|---|---|---|---|",
         f"| step time, forward + backward (ms) | {t1 * 1e3:.1f} | {t2 * 1e3:.1f} | **{t2 / t1:.3f}** |",
         f"| MFU (plan FLOPs / time / measured GEMM peak x ranks) | {mfu(flops, t1, peak, 1):.1%} | "

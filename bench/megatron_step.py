@@ -37,16 +37,12 @@ import argparse
 import contextlib
 import datetime
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
 import types
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEGATRON = os.path.join(ROOT, "bench", ".megatron")
@@ -64,6 +60,7 @@ from train_step import (  # noqa: E402
     mfu,
     overrides,
     plan_flops,
+    run_ranks,
 )
 
 import runtime  # noqa: E402
@@ -290,98 +287,64 @@ def collective_time(runner, batches, steps: int = 3) -> dict:
 
 # -- one setting on its ranks ----------------------------------------------------------------------
 
-def _rank(rank, world, port, cfg, setting, results):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-    try:
-        sys.path.insert(0, MEGATRON)
-        cpu_patches()
-        from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+def _rank(rank, world, cfg, setting):
+    sys.path.insert(0, MEGATRON)
+    cpu_patches()
+    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
 
-        tp, sp = SETTINGS[setting]
-        pg = runtime.ProcessGroups.initialize(tp=tp)  # the default transport: shared memory where it can
-        ours = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
-                                       micro_batch_size=cfg.batch)
-        full = {n: full_parameter(p, pg.tp) for n, p in ours.named_parameters()}
-        theirs, mconfig = build_megatron(cfg, tp, sp)
-        copy_weights(theirs, full, cfg.heads, tp, pg.tp.rank)
-        runners = [Runner("specc", ours, compiled_loss, lambda: runtime.finalize_model_grads(ours, pg)),
-                   Runner("megatron", theirs, megatron_loss_fn(cfg.seq),
-                          lambda: _allreduce_non_tensor_model_parallel_grads([theirs], mconfig))]
-        groups = [pg]
-        if tp > 1:  # specc on Megatron's transport: what the shared-memory collectives are worth
-            on_gloo = runtime.ProcessGroups.initialize(tp=tp, transport="torch")
-            groups.append(on_gloo)
-            specc_gloo = specc_torch.build_model(SPEC, on_gloo, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
-                                                 micro_batch_size=cfg.batch)
-            runners.append(Runner("specc-gloo", specc_gloo, compiled_loss,
-                                  lambda: runtime.finalize_model_grads(specc_gloo, on_gloo)))
-        if cfg.own_step:  # second copies of both models (the steps change the weights)
-            ours2 = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
-                                            micro_batch_size=cfg.batch)
-            theirs2, _ = build_megatron(cfg, tp, sp)
-            copy_weights(theirs2, full, cfg.heads, tp, pg.tp.rank)
-            runners += [OwnStepRunner("specc-own", ours2, compiled_loss, specc_own_step(pg)),
-                        OwnStepRunner("megatron-own", theirs2, megatron_loss_fn(cfg.seq), megatron_own_step(mconfig))]
-        if cfg.torch_compile:
-            compiled = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
-                                               micro_batch_size=cfg.batch)
-            compile_layers(compiled, "inductor")
-            runners.append(Runner("specc+compile", compiled, compiled_loss,
-                                  lambda: runtime.finalize_model_grads(compiled, pg)))
-        batches = make_batches(cfg)
-        rounds, peaks = [], []
-        for _ in range(cfg.rounds):
-            for r in runners:
-                r.times.clear()
-            # the GEMM peak is measured before every round and the highest kept: a reading taken
-            # while other processes load the machine would understate it and inflate the MFU
-            peaks.append(gemm_peak_gflops())
-            rounds.append(measure(runners, batches, cfg.steps))
-        comm_time = None
-        if tp > 1:
-            named = {r.name: r for r in runners}
-            comm_time = {name: collective_time(named[name], batches) for name in ("specc", "specc-gloo")}
-        transport = "shared memory" if pg.tp.transport is not None else "gloo"
-        results.put((rank, {"rounds": rounds, "peak_gflops": max(peaks), "comm": comm_time, "transport": transport}))
-        for g in groups:
-            g.destroy()
-    except BaseException:
-        import traceback
-
-        results.put((rank, {"error": traceback.format_exc()}))
-    finally:
-        dist.destroy_process_group()
+    tp, sp = SETTINGS[setting]
+    pg = runtime.ProcessGroups.initialize(tp=tp)  # the default transport: shared memory where it can
+    ours = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
+                                   micro_batch_size=cfg.batch)
+    full = {n: full_parameter(p, pg.tp) for n, p in ours.named_parameters()}
+    theirs, mconfig = build_megatron(cfg, tp, sp)
+    copy_weights(theirs, full, cfg.heads, tp, pg.tp.rank)
+    runners = [Runner("specc", ours, compiled_loss, lambda: runtime.finalize_model_grads(ours, pg)),
+               Runner("megatron", theirs, megatron_loss_fn(cfg.seq),
+                      lambda: _allreduce_non_tensor_model_parallel_grads([theirs], mconfig))]
+    groups = [pg]
+    if tp > 1:  # specc on Megatron's transport: what the shared-memory collectives are worth
+        on_gloo = runtime.ProcessGroups.initialize(tp=tp, transport="torch")
+        groups.append(on_gloo)
+        specc_gloo = specc_torch.build_model(SPEC, on_gloo, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
+                                             micro_batch_size=cfg.batch)
+        runners.append(Runner("specc-gloo", specc_gloo, compiled_loss,
+                              lambda: runtime.finalize_model_grads(specc_gloo, on_gloo)))
+    if cfg.own_step:  # second copies of both models (the steps change the weights)
+        ours2 = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
+                                        micro_batch_size=cfg.batch)
+        theirs2, _ = build_megatron(cfg, tp, sp)
+        copy_weights(theirs2, full, cfg.heads, tp, pg.tp.rank)
+        runners += [OwnStepRunner("specc-own", ours2, compiled_loss, specc_own_step(pg)),
+                    OwnStepRunner("megatron-own", theirs2, megatron_loss_fn(cfg.seq), megatron_own_step(mconfig))]
+    if cfg.torch_compile:
+        compiled = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
+                                           micro_batch_size=cfg.batch)
+        compile_layers(compiled, "inductor")
+        runners.append(Runner("specc+compile", compiled, compiled_loss,
+                              lambda: runtime.finalize_model_grads(compiled, pg)))
+    batches = make_batches(cfg)
+    rounds, peaks = [], []
+    for _ in range(cfg.rounds):
+        for r in runners:
+            r.times.clear()
+        # the GEMM peak is measured before every round and the highest kept: a reading taken
+        # while other processes load the machine would understate it and inflate the MFU
+        peaks.append(gemm_peak_gflops())
+        rounds.append(measure(runners, batches, cfg.steps))
+    comm_time = None
+    if tp > 1:
+        named = {r.name: r for r in runners}
+        comm_time = {name: collective_time(named[name], batches) for name in ("specc", "specc-gloo")}
+    transport = "shared memory" if pg.tp.transport is not None else "gloo"
+    for g in groups:
+        g.destroy()
+    return {"rounds": rounds, "peak_gflops": max(peaks), "comm": comm_time, "transport": transport}
 
 
 def run_setting(cfg, setting: str) -> dict:
     tp, _ = SETTINGS[setting]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, tp, port, cfg, setting, results)) for r in range(tp)]
-    for p in procs:
-        p.start()
-    got = {}
-    while len(got) < tp:
-        try:
-            rank, out = results.get(timeout=1.0)
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"{setting}: a rank died (its output is above)") from None
-            continue
-        if "error" in out:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"{setting}: rank {rank} failed:\n{out['error']}")
-        got[rank] = out
-    for p in procs:
-        p.join()
+    got = run_ranks(_rank, tp, cfg, setting, what=setting, timeout_s=600)
     # a step ends when every rank's does: the slower rank's median per round
     rounds = [{n: max(got[r]["rounds"][k][n][0] for r in got) for n in got[0]["rounds"][k]}
               for k in range(cfg.rounds)]

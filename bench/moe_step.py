@@ -20,22 +20,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchdoc import replace_section  # noqa: E402
-from train_step import gemm_peak_gflops, machine_line, mfu  # noqa: E402
+from train_step import gemm_peak_gflops, machine_line, mfu, run_ranks  # noqa: E402
 
 import runtime  # noqa: E402
 from runtime.init import init_parameters  # noqa: E402
@@ -70,45 +66,21 @@ def run(cfg, pg, grouped: bool, rank: int = 0):
     return statistics.median(step(xs[i % 2]) for i in range(cfg.steps))
 
 
-def _ep_rank(rank, world, port, cfg, results):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    try:
-        pg = runtime.ProcessGroups.initialize(ep=world)
-        results.put((rank, run(cfg, pg, True, rank)))
-        pg.destroy()
-    finally:
-        dist.destroy_process_group()
+def _ep_rank(rank, world, cfg):
+    pg = runtime.ProcessGroups.initialize(ep=world)
+    out = run(cfg, pg, True, rank)
+    pg.destroy()
+    return out
 
 
 def bench_ep(cfg, world: int) -> float:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_ep_rank, args=(r, world, port, cfg, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    while len(got) < world:
-        try:
-            rank, out = results.get(timeout=1.0)
-            got[rank] = out
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"an EP={world} rank failed (its traceback is above)") from None
-    for p in procs:
-        p.join()
+    got = run_ranks(_ep_rank, world, cfg, what=f"EP={world}")
     return max(got.values())
 
 
 def table(rows, peak) -> str:
     """rows: [(label, flops, looped s, grouped s, EP=2 s)]."""
-    lines = ["| experts | EP=1 looped (ms, MFU) | EP=1 grouped (ms, MFU) | EP=2 grouped, 2 gloo ranks (ms, MFU) | "
+    lines = ["| experts | EP=1 looped (ms, MFU) | EP=1 grouped (ms, MFU) | EP=2 grouped, 2 ranks (ms, MFU) | "
              "looped / grouped | EP=2 / EP=1 |", "|---|---|---|---|---|---|"]
     for label, flops, looped, grouped, ep2 in rows:
         lines.append(f"| {label} | {looped * 1e3:.1f}, {mfu(flops, looped, peak):.1%} | {grouped * 1e3:.1f}, "

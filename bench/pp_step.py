@@ -20,15 +20,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -42,6 +39,7 @@ from train_step import (  # noqa: E402
     mfu,
     overrides,
     plan_flops,
+    run_ranks,
 )
 
 import runtime  # noqa: E402
@@ -92,62 +90,37 @@ def bench_pp1(cfg, m: int) -> float:
     return statistics.median(step(batches[(i + 1) % len(batches)]) for i in range(cfg.steps))
 
 
-def _pp_rank(rank, world, port, cfg, results):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+def _pp_rank(rank, world, cfg):
     from runtime.ddp import DistributedDataParallel
     from runtime.pipeline import Pipeline
 
-    try:
-        pg = runtime.ProcessGroups.initialize(pp=world)
-        out = {}
-        for virtual, _ in SCHEDULES:
-            model = specc_torch.build_model(SPEC, pg, seed=cfg.seed, overrides=overrides(cfg), micro_batch_size=1,
-                                            pp=world, pp_virtual_stage_layers=_per_stage(cfg, world, virtual))
-            ddp = DistributedDataParallel(model, pg)
-            for m in MICRO:
-                pipe = Pipeline(model, pg, m, ("tokens", "labels"))
-                batches = _micro(cfg, m)
+    pg = runtime.ProcessGroups.initialize(pp=world)
+    out = {}
+    for virtual, _ in SCHEDULES:
+        model = specc_torch.build_model(SPEC, pg, seed=cfg.seed, overrides=overrides(cfg), micro_batch_size=1,
+                                        pp=world, pp_virtual_stage_layers=_per_stage(cfg, world, virtual))
+        ddp = DistributedDataParallel(model, pg)
+        for m in MICRO:
+            pipe = Pipeline(model, pg, m, ("tokens", "labels"))
+            batches = _micro(cfg, m)
 
-                def step(micro):
-                    ddp.zero_grad_buffer()
-                    dist.barrier()
-                    start = time.perf_counter()
-                    with ddp.no_sync():
-                        pipe.step(micro)
-                    runtime.finalize_model_grads(model, pg, ddp)
-                    return time.perf_counter() - start
+            def step(micro):
+                ddp.zero_grad_buffer()
+                dist.barrier()
+                start = time.perf_counter()
+                with ddp.no_sync():
+                    pipe.step(micro)
+                runtime.finalize_model_grads(model, pg, ddp)
+                return time.perf_counter() - start
 
-                step(batches[0])
-                out[(virtual, m)] = [step(batches[(i + 1) % len(batches)]) for i in range(cfg.steps)]
-        results.put((rank, out))
-        pg.destroy()
-    finally:
-        dist.destroy_process_group()
+            step(batches[0])
+            out[(virtual, m)] = [step(batches[(i + 1) % len(batches)]) for i in range(cfg.steps)]
+    pg.destroy()
+    return out
 
 
 def bench_pp(cfg, world: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_pp_rank, args=(r, world, port, cfg, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    while len(got) < world:
-        try:
-            rank, out = results.get(timeout=1.0)
-            got[rank] = out
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"a PP={world} rank failed")
-    for p in procs:
-        p.join()
+    got = run_ranks(_pp_rank, world, cfg, what=f"PP={world}")
     # a step ends when every rank's does: the slowest rank's time per step, then the median
     return {key: statistics.median(max(got[r][key][i] for r in got) for i in range(cfg.steps)) for key in got[0]}
 

@@ -313,6 +313,56 @@ def mfu(flops: float, seconds: float, peak_gflops: float, ranks: int = 1) -> flo
     return flops / seconds / (peak_gflops * 1e9 * ranks)
 
 
+# -- ranks -----------------------------------------------------------------------------------------
+
+def _rank_main(body, rank, world, port, args, results, timeout_s):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        results.put((rank, True, body(rank, world, *args)))
+    except BaseException:
+        import traceback
+
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(body, world: int, *args, what: str, timeout_s: int = 300) -> dict:
+    """body(rank, world, *args) on `world` spawned gloo ranks, one thread each: {rank: what it
+    returned}. A rank that raises or dies stops them all, with an error naming `what` (and the
+    rank's traceback)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(body, r, world, port, args, results, timeout_s))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        while len(got) < world:
+            try:
+                rank, ok, out = results.get(timeout=1.0)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"{what}: a rank died (its output is above)") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"{what}: rank {rank} failed:\n{out}")
+            got[rank] = out
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    for p in procs:
+        p.join()
+    return got
+
+
 # -- TP=1 ------------------------------------------------------------------------------------------
 
 def bench_tp1(cfg):
@@ -328,70 +378,45 @@ def bench_tp1(cfg):
 
 # -- TP=2 ------------------------------------------------------------------------------------------
 
-def _tp2_rank(rank, world, port, cfg, results):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import loss_parallel
+def _tp2_rank(rank, world, cfg):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
 
-        pg = runtime.ProcessGroups.initialize(tp=world)
-        compiled = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=True, overrides=overrides(cfg),
+    pg = runtime.ProcessGroups.initialize(tp=world)
+    compiled = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=True, overrides=overrides(cfg),
                                        micro_batch_size=cfg.batch)
-        reference = specc_torch.build_model(SPEC, runtime.ProcessGroups.single(), seed=cfg.seed, overrides=overrides(cfg),
+    reference = specc_torch.build_model(SPEC, runtime.ProcessGroups.single(), seed=cfg.seed, overrides=overrides(cfg),
                                         micro_batch_size=cfg.batch)  # the same full weights, for the eager copy
-        eager = EagerGPT(cfg.vocab, cfg.hidden, cfg.layers, cfg.heads, cfg.seq, fused_qkv=False)
-        load_from_compiled(eager, reference, runtime.ProcessGroups.single().tp)
-        del reference
-        mesh = init_device_mesh("cpu", (world,))
-        parallelize_like_torchtitan(eager, mesh)
+    eager = EagerGPT(cfg.vocab, cfg.hidden, cfg.layers, cfg.heads, cfg.seq, fused_qkv=False)
+    load_from_compiled(eager, reference, runtime.ProcessGroups.single().tp)
+    del reference
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_like_torchtitan(eager, mesh)
 
-        def dtensor_loss(model, batch):
+    def dtensor_loss(model, batch):
+        with loss_parallel():
+            return model(*batch)
+
+    class LossParallelBackward:  # loss_parallel must also be active for backward
+        def __init__(self, loss):
+            self.loss = loss
+
+        def backward(self):
             with loss_parallel():
-                return model(*batch)
+                self.loss.backward()
 
-        class LossParallelBackward:  # loss_parallel must also be active for backward
-            def __init__(self, loss):
-                self.loss = loss
+        def detach(self):
+            return self.loss.detach()
 
-            def backward(self):
-                with loss_parallel():
-                    self.loss.backward()
-
-            def detach(self):
-                return self.loss.detach()
-
-        runners = [Runner("specc", compiled, compiled_loss, lambda: runtime.finalize_model_grads(compiled, pg)),
-                   Runner("dtensor", eager, lambda m, b: LossParallelBackward(dtensor_loss(m, b)))]
-        out = measure(runners, make_batches(cfg), cfg.steps)
-        results.put((rank, out))
-        pg.destroy()
-    finally:
-        dist.destroy_process_group()
+    runners = [Runner("specc", compiled, compiled_loss, lambda: runtime.finalize_model_grads(compiled, pg)),
+               Runner("dtensor", eager, lambda m, b: LossParallelBackward(dtensor_loss(m, b)))]
+    out = measure(runners, make_batches(cfg), cfg.steps)
+    pg.destroy()
+    return out
 
 
 def bench_tp2(cfg):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_tp2_rank, args=(r, 2, port, cfg, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    while len(got) < len(procs):
-        try:
-            rank, out = results.get(timeout=1.0)
-            got[rank] = out
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                raise RuntimeError("a TP=2 rank failed (its traceback is above)") from None
-    for p in procs:
-        p.join()
+    got = run_ranks(_tp2_rank, 2, cfg, what="TP=2")
     # Per rank: the slower rank's time (a step ends when both do), the larger memory.
     names = got[0].keys()
     return {n: (max(got[r][n][0] for r in got), max(got[r][n][1] for r in got), got[0][n][2]) for n in names}
@@ -415,7 +440,7 @@ def table(cfg, tp1, tp2, flops: float, peak_gflops: float) -> str:
         "specc MiB/rank | baseline MiB/rank | memory ratio | first-loss diff |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
         row("TP=1", "eager", tp1, "<= 1.03", 1),
-        row("TP=2 + SP (2 gloo ranks)", "dtensor", tp2, "< 1", 2),
+        row("TP=2 + SP (2 ranks)", "dtensor", tp2, "< 1", 2),
     ]
     return "\n".join(lines)
 
@@ -460,7 +485,7 @@ def add_model_arguments(p: argparse.ArgumentParser, seq: int, batch: int) -> Non
 
 def machine_line() -> str:
     return (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-            f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only (gloo)'}")
+            f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only (gloo; specc collectives through shared memory where each rank has a core)'}")
 
 
 def write_doc(path, shape, text, elapsed, flops, peak):
