@@ -539,9 +539,11 @@ SDPA from the sequence-first [s, b, h] layout, where the eager model saves three
 fused qkv output); with 4 layers that is the ~8 MiB of the table. Time is unaffected at this size.
 
 Numbers on a shared 2-core machine move by several percent from run to run; the ratio is the
-quantity to read. On CPU with gloo, TP=2 is not faster than TP=1 in absolute terms (two ranks
-share two cores and every collective goes through the loopback); the comparison that matters is
-specc against DTensor at the same setting.
+quantity to read. TP=2 is not faster than TP=1 in absolute terms on the CPU (two ranks share two
+cores); the comparison that matters is specc against DTensor at the same setting. Part of that
+gap is the transport: specc's collectives go through shared memory here (runtime/shared_memory.py,
+the default where every rank has a core), DTensor's through gloo's loopback sockets;
+bench/megatron_step.py times specc on both transports.
 """
 
 
