@@ -127,7 +127,12 @@ class ProcessGroups:
                 created.append(handle)
                 if rank in ends:
                     groups["embd"] = Group(size=2, rank=ends.index(rank), group=handle, ranks=ends, name="embd")
-        groups, reasons = open_transports(groups, transport)
+        try:
+            groups, reasons = open_transports(groups, transport)
+        except BaseException:  # the groups made above would otherwise outlive the error
+            for handle in created:
+                dist.destroy_process_group(handle)
+            raise
         return cls(**groups, world_size=world, rank=rank, _created=created, transport_reasons=reasons)
 
     def transport_summary(self) -> str:

@@ -39,6 +39,10 @@ _LINE = 64  # bytes: one arrival counter per cache line, so ranks do not share t
 _SPIN_S = 0.01  # then wait in 100 us sleeps: an oversubscribed host needs the core for the peer
 
 
+class TransportError(ValueError):
+    """Transport "shm" was asked for where a group cannot have it (one line, saying why)."""
+
+
 def supported_here() -> str | None:
     """None when this host can run the transport, else why not (one line)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -214,7 +218,7 @@ def open_transports(groups: dict, mode: str, slot_bytes: int = SLOT_BYTES) -> tu
 
     mode "auto" uses shared memory where it can and where this host has a core for each of its
     ranks (spinning ranks on shared cores would slow each other down); "shm" insists (a
-    ValueError saying why it cannot); "torch" never uses it. Collective over the world: every
+    TransportError saying why it cannot); "torch" never uses it. Collective over the world: every
     rank decides from the same gathered facts, so a group's ranks always agree."""
     import dataclasses
     import socket
@@ -243,7 +247,8 @@ def open_transports(groups: dict, mode: str, slot_bytes: int = SLOT_BYTES) -> tu
     world_reasons = choose(everyone, mode, slot_bytes)
     if mode == "shm" and world_reasons:  # on every rank alike, so none is left waiting in a barrier
         (name, ranks), why = sorted(world_reasons.items())[0]
-        raise ValueError(f"cannot use the shared-memory transport for group {name!r} (ranks {list(ranks)}): {why}")
+        raise TransportError(f"cannot use the shared-memory transport for group {name!r} (ranks {list(ranks)}): "
+                             f"{why}")
     reasons = {name: world_reasons[name, g.ranks] for name, g in wanted.items() if (name, g.ranks) in world_reasons}
     chosen = {name: g for name, g in wanted.items() if name not in reasons}
     paths = {name: os.path.join(SHM_DIR, f"specc-{run}-{name}-{'-'.join(map(str, g.ranks))}") for name, g in chosen.items()}

@@ -504,6 +504,7 @@ def run(cfg: TrainConfig, stream=None) -> int:
     )
     from runtime.checkpoint import resolve as checkpoint_path
     from runtime.parallel_state import ProcessGroups
+    from runtime.shared_memory import TransportError
     from runtime.train.report import NullReporter, Reporter
     from runtime.train.throughput import given_peak, measure_peak
     from runtime.train.training import (
@@ -556,7 +557,7 @@ def run(cfg: TrainConfig, stream=None) -> int:
                                       transport=cfg.parallel.transport) \
             if world > 1 \
             else ProcessGroups.single()
-    except ValueError as e:  # --collective-transport shm where it cannot be used
+    except TransportError as e:  # --collective-transport shm where it cannot be used
         return fail(ConfigError([f"--collective-transport shm: {e}"]))
     reporter = NullReporter()
     try:

@@ -255,3 +255,33 @@ def test_compiled_layers_run_the_transport_eagerly(gloo):
                SharedMemoryWork.wait)
     assert all(getattr(f, "_torchdynamo_disable", False) for f in entries)
     gloo.run(2, _check_compiled_layers)
+
+
+def _check_one_rank_cannot(rank, world):
+    """When one rank of a group cannot map the segment, every rank learns it: auto keeps the
+    group on torch.distributed everywhere, shm fails everywhere (no rank is left waiting)."""
+    from runtime import shared_memory
+    from runtime.shared_memory import TransportError
+
+    saved = shared_memory.supported_here
+    if rank == 1:
+        shared_memory.supported_here = lambda: "it relies on x86-64's store order and this host is riscv64"
+    try:
+        pg = ProcessGroups.initialize(tp=world)
+        assert pg.tp.transport is None
+        assert pg.transport_reasons == {"tp": "it relies on x86-64's store order and this host is riscv64"}
+        assert pg.transport_summary() == ("collectives on CPU tensors: tp (it relies on x86-64's store order and "
+                                          "this host is riscv64) through torch.distributed")
+        x = torch.ones(4)
+        comm.all_reduce(x, pg.tp)
+        assert torch.equal(x, torch.full((4,), float(world)))
+        pg.destroy()
+        with pytest.raises(TransportError, match=r"group 'tp' \(ranks \[0, 1\]\): it relies on x86-64's store order"):
+            ProcessGroups.initialize(tp=world, transport="shm")
+    finally:
+        shared_memory.supported_here = saved
+        dist.barrier()
+
+
+def test_a_rank_that_cannot_map_the_segment_decides_for_its_group(gloo):
+    gloo.run(2, _check_one_rank_cannot)
