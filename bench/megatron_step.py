@@ -285,6 +285,34 @@ def collective_time(runner, batches, steps: int = 3) -> dict:
             "exposed": statistics.median(exposed), "alone": statistics.median(alone)}
 
 
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def matmul_time(runner, batches, steps: int = 2) -> dict:
+    """Where a step's time goes (torch.profiler, per step): the whole step, the self time of the
+    matrix multiplies, and of attention's fused kernels (whose FLOPs the plan also counts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        total = sum(runner.step(batches[i % len(batches)]) for i in range(steps))
+    gemm = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_OPS)
+    attention = sum(e.self_cpu_time_total for e in prof.key_averages() if "scaled_dot_product" in e.key)
+    return {"step": total / steps, "gemm": gemm / 1e6 / steps, "attention": attention / 1e6 / steps}
+
+
+def matmul_line(res: dict, flops: float) -> str:
+    """What bounds TP=1's MFU: the share of the step in matrix multiplies and attention, and the
+    rate those reach inside the step against the measured peak (a 1024^3 GEMM)."""
+    t = res["matmul"]
+    kernels = t["gemm"] + t["attention"]
+    rate = flops / kernels / 1e9
+    return (f"- **What bounds MFU at TP=1** (specc's step under torch.profiler): matrix multiplies take "
+            f"{t['gemm'] / t['step']:.0%} of the step and attention's kernels {t['attention'] / t['step']:.0%}; "
+            f"together they run at {rate:.1f} GFLOP/s, {rate / res['peak_gflops']:.0%} of the measured peak, at "
+            f"this model's shapes. So even with nothing else in the step (norms, GELU, the loss, AdamW: the other "
+            f"{1 - kernels / t['step']:.0%}) MFU would be {rate / res['peak_gflops']:.0%}, not the peak.")
+
+
 # -- one setting on its ranks ----------------------------------------------------------------------
 
 def _rank(rank, world, cfg, setting):
@@ -333,13 +361,14 @@ def _rank(rank, world, cfg, setting):
         peaks.append(gemm_peak_gflops())
         rounds.append(measure(runners, batches, cfg.steps))
     comm_time = None
+    named = {r.name: r for r in runners}
     if tp > 1:
-        named = {r.name: r for r in runners}
         comm_time = {name: collective_time(named[name], batches) for name in ("specc", "specc-gloo")}
     transport = "shared memory" if pg.tp.transport is not None else "gloo"
+    matmul = matmul_time(named["specc"], batches) if tp == 1 else None
     for g in groups:
         g.destroy()
-    return {"rounds": rounds, "peak_gflops": max(peaks), "comm": comm_time, "transport": transport}
+    return {"rounds": rounds, "peak_gflops": max(peaks), "comm": comm_time, "transport": transport, "matmul": matmul}
 
 
 def run_setting(cfg, setting: str) -> dict:
@@ -354,7 +383,7 @@ def run_setting(cfg, setting: str) -> dict:
         comm_time = {name: max((got[r]["comm"][name] for r in got), key=lambda c: c["exposed"])
                      for name in got[0]["comm"]}
     return {"rounds": rounds, "first_loss": first, "peak_gflops": min(got[r]["peak_gflops"] for r in got),
-            "comm": comm_time, "transport": got[0]["transport"]}
+            "comm": comm_time, "transport": got[0]["transport"], "matmul": got[0]["matmul"]}
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -420,7 +449,7 @@ Model: {shape}. FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak measu
 
 {table}
 {own}{comm}
-- **specc / Megatron** = the median over {rounds} rounds of the per-round ratio of median step
+{matmul}- **specc / Megatron** = the median over {rounds} rounds of the per-round ratio of median step
   times; within a round the implementations alternate step by step, so load from other
   processes hits both alike.
 - **Megatron Core**: 0.19.2, `GPTModel` with `get_gpt_layer_local_spec()` (no TE, no Apex) on gloo;
@@ -516,6 +545,9 @@ def main(argv=None) -> int:
     if collectives:
         collectives = COMM.format(table=collectives)
         print(collectives)
+    matmul = "".join(matmul_line(res, flops) + "\n" for res in results.values() if res["matmul"])
+    if matmul:
+        print(matmul)
     own = ""
     if cfg.own_step:
         own = OWN.format(table=table(cfg, results, flops, "specc-own", "megatron-own"))
@@ -533,7 +565,8 @@ def main(argv=None) -> int:
         peak = min(r["peak_gflops"] for r in results.values())
         replace_section(cfg.output, DOC.format(date=datetime.date.today().isoformat(), machine=machine_line(),
                                          elapsed=elapsed, shape=shape, flops=flops, peak=peak, table=text, own=own, comm=collectives,
-                                         rounds=cfg.rounds, transport=_transports(results)))
+                                         rounds=cfg.rounds, transport=_transports(results),
+                                         matmul=matmul))
         print(f"wrote {cfg.output}")
     return 0
 

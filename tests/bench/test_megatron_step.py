@@ -68,3 +68,12 @@ def test_specc_on_gloo_is_a_column_of_the_model_step_at_tp_above_one():
     assert row1.endswith("| — | — |")  # one rank: no collectives, no transport
     assert row2.endswith("| 950.0 | 0.950 |")  # the median step and the median per-round ratio
     assert megatron_step._transports({"tp1": _result(tp1), "tp2": _result(tp2)}) == "shared memory"
+
+
+def test_the_tp1_line_says_what_bounds_mfu():
+    res = _result([{"specc": 1.0, "megatron": 1.0}])
+    res["matmul"] = {"step": 0.8, "gemm": 0.56, "attention": 0.04}  # 75% of the step in the kernels
+    line = megatron_step.matmul_line(res, flops=48e9)  # 48 GFLOP in 0.6 s: 80 GFLOP/s of the 100 peak
+    assert "matrix multiplies take 70% of the step and attention's kernels 5%" in line
+    assert "together they run at 80.0 GFLOP/s, 80% of the measured peak" in line
+    assert "the other 25%) MFU would be 80%, not the peak" in line
