@@ -133,7 +133,7 @@ class CommTimer(_WhileActive):
         if work is None:
             cls._add(record, group, time.perf_counter() - start)
             return None
-        cls._add(record, group, 0.0)
+        cls._add(record, group, time.perf_counter() - start)  # an issue may wait too (shared memory)
         return _TimedWork(work, record, group)
 
     @classmethod

@@ -149,7 +149,11 @@ class ProcessGroups:
         return "collectives on CPU tensors: " + "; ".join(parts)
 
     def destroy(self) -> None:
-        """Destroy the groups initialize() created; safe to call twice."""
+        """Destroy the groups initialize() created and close their shared-memory transports; safe
+        to call twice."""
+        for g in (self.tp, self.cp, self.dp, self.pp, self.ep, self.edp, self.embd):
+            if g.transport is not None:
+                g.transport.close()
         while self._created:
             dist.destroy_process_group(self._created.pop())
 

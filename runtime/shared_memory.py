@@ -20,7 +20,14 @@ order), so no fence is needed; on other architectures the transport is not used.
 Slots: two sets, used by operations alternately. Before a rank writes operation k, it has finished
 operation k-1 (an async operation is finished when waited on, or when the next one is issued),
 and so has seen every rank arrive at k-1, which each did only after finishing k-2: the set k uses
-is free. A tensor larger than a slot goes through in pieces, one operation each.
+is free. A tensor larger than a slot goes through in pieces, one operation each. So issuing an
+async operation can wait, for the peers to issue the one before it on the group: the ranks of a
+group must issue its collectives in the same order (as torch.distributed requires), and interleave
+them with other groups' collectives in an order consistent across ranks (which gloo, whose async
+issue never waits, does not require).
+
+Each rank also writes what it issued (kind, dtype, element count, reduce op) beside its slot; a
+rank that finds another rank issued something else raises, rather than read mismatched bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ SHM_DIR = "/dev/shm"
 SLOT_BYTES = 8 << 20  # per rank and set: 2 * group size * 8 MiB of address space, touched as used
 _LINE = 64  # bytes: one arrival counter per cache line, so ranks do not share the line they write
 _SPIN_S = 0.01  # then wait in 100 us sleeps: an oversubscribed host needs the core for the peer
+_KINDS = ("all_reduce:sum", "all_reduce:max", "all_reduce:min", "all_gather", "reduce_scatter")
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool)
 
 
 class TransportError(ValueError):
@@ -57,7 +67,8 @@ def segment_bytes(size: int, slot_bytes: int = SLOT_BYTES) -> int:
 
 
 def _header_bytes(size: int) -> int:
-    return -(-size * _LINE // 4096) * 4096
+    # a line per rank for its arrival counter, and per slot set a line per rank for what it issued
+    return -(-3 * size * _LINE // 4096) * 4096
 
 
 @dataclass
@@ -96,7 +107,9 @@ class SharedMemoryTransport:
         self.slot_bytes, self.timeout_s = slot_bytes, timeout_s
         head = _header_bytes(size)
         self._segment = torch.from_file(path, shared=True, size=segment_bytes(size, slot_bytes), dtype=torch.uint8)
-        self._arrived = self._segment[:head].view(torch.int64)[: size * _LINE // 8: _LINE // 8]
+        lines = self._segment[:head].view(torch.int64)[: 3 * size * _LINE // 8].view(3, size, _LINE // 8)
+        self._arrived = lines[0, :, 0]
+        self._issued = lines[1:, :, :4]  # [set, rank]: kind, dtype, elements, piece start
         self._slots = self._segment[head:].view(2, size, slot_bytes)
         self._seq = int(self._arrived[rank])  # 0 on a fresh segment
         self._pending: _Pending | None = None
@@ -121,7 +134,8 @@ class SharedMemoryTransport:
                     reduce(out, v, out=out)
             return (lambda slot: slot.view(t.dtype)[: b - a].copy_(flat[a:b])), finish
 
-        return self._run(flat.numel(), self.slot_bytes // t.element_size(), piece, async_op)
+        return self._run(f"all_reduce:{op}", t.dtype, flat.numel(), self.slot_bytes // t.element_size(), piece,
+                         async_op)
 
     @torch.compiler.disable
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
@@ -133,7 +147,7 @@ class SharedMemoryTransport:
                     dst[j, a:b].copy_(s.view(inp.dtype)[: b - a])
             return (lambda slot: slot.view(inp.dtype)[: b - a].copy_(src[a:b])), finish
 
-        return self._run(n, self.slot_bytes // inp.element_size(), piece, async_op)
+        return self._run("all_gather", inp.dtype, n, self.slot_bytes // inp.element_size(), piece, async_op)
 
     @torch.compiler.disable
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
@@ -151,44 +165,70 @@ class SharedMemoryTransport:
                     out_piece.add_(v)
             return write, finish
 
-        return self._run(out.numel(), self.slot_bytes // (inp.element_size() * t), piece, async_op)
+        return self._run("reduce_scatter", inp.dtype, out.numel(), self.slot_bytes // (inp.element_size() * t), piece,
+                         async_op)
 
     # -- the protocol ------------------------------------------------------------------------------
 
-    def _run(self, n: int, per_piece: int, piece, async_op: bool):
+    def _run(self, kind: str, dtype: torch.dtype, n: int, per_piece: int, piece, async_op: bool):
+        if self._segment is None:
+            raise RuntimeError(f"the shared-memory transport of group {self.name!r} is closed "
+                               f"(ProcessGroups.destroy was called)")
         if per_piece < 1:
             raise ValueError(f"shared-memory slots of {self.slot_bytes} bytes cannot hold one element per rank")
-        with self._lock:
+        # the results are written with out= and copy_ into the caller's tensors, as gloo does:
+        # outside autograd even for a tensor that requires grad
+        with self._lock, torch.no_grad():
             starts = list(range(0, n, per_piece)) or [0]
             for i, a in enumerate(starts):
                 write, finish = piece(a, min(n, a + per_piece))
-                pending = self._issue(write, finish)
+                what = (_KINDS.index(kind), _DTYPES.index(dtype) if dtype in _DTYPES else -1, n, a)
+                pending = self._issue(write, finish, what)
                 if i < len(starts) - 1 or not async_op:
                     self._finish_locked(pending)
             return SharedMemoryWork(self, pending) if async_op else None
 
-    def _issue(self, write, finish) -> _Pending:
+    def _issue(self, write, finish, what: tuple) -> _Pending:
         if self._pending is not None:  # the slot set this one reuses must be free: see the docstring
             self._finish_locked(self._pending)
         seq = self._seq
         write(self._slots[seq % 2, self.rank])
+        self._issued[seq % 2, self.rank] = torch.tensor(what, dtype=torch.int64)
         self._seq = seq + 1
         self._arrived[self.rank] = seq + 1  # after the data: x86-64 keeps the stores in order
         self._pending = _Pending(seq, finish)
         return self._pending
 
     def _finish(self, pending: _Pending) -> None:
-        with self._lock:
+        with self._lock, torch.no_grad():
             self._finish_locked(pending)
 
     def _finish_locked(self, pending: _Pending) -> None:
         if pending.done:
             return
         self._await(pending.seq + 1)
+        issued = self._issued[pending.seq % 2]
+        if not bool((issued == issued[self.rank]).all()):
+            self._raise_mismatch(pending.seq, issued)
         pending.finish(list(self._slots[pending.seq % 2].unbind(0)))
         pending.done = True
         if self._pending is pending:
             self._pending = None
+
+    def _raise_mismatch(self, seq: int, issued: torch.Tensor) -> None:
+        def say(row) -> str:
+            kind, dtype, n, start = (int(v) for v in row)
+            return (f"{_KINDS[kind] if 0 <= kind < len(_KINDS) else '?'} of {n} "
+                    f"{_DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else 'other'} elements (from {start})")
+        ranks = "; ".join(f"rank {j}: {say(row)}" for j, row in enumerate(issued.tolist()))
+        raise RuntimeError(f"shared-memory collective {seq + 1} on group {self.name!r}: the ranks issued different "
+                           f"collectives ({ranks}); every rank of a group must issue the same ones in the same order")
+
+    def close(self) -> None:
+        """Unmap the segment (its memory goes once every rank has closed it); later collectives raise."""
+        with self._lock:
+            self._pending = None
+            self._segment = self._arrived = self._issued = self._slots = None
 
     def _await(self, count: int) -> None:
         """Until every rank has issued `count` operations."""
@@ -229,16 +269,16 @@ def open_transports(groups: dict, mode: str, slot_bytes: int = SLOT_BYTES) -> tu
     if mode not in TRANSPORTS:
         raise ValueError(f"collective transport must be one of {', '.join(TRANSPORTS)}, got {mode!r}")
     wanted = {name: g for name, g in groups.items() if g.size > 1}
-    if mode == "torch" or not wanted:
-        return groups, ({name: "transport 'torch' chosen" for name in wanted} if mode == "torch" else {})
+    if mode == "torch":
+        return groups, {name: "transport 'torch' chosen" for name in wanted}
     backend = str(dist.get_backend()).lower()
     why_not = supported_here() or (None if "gloo" in backend else f"the process group's backend is {backend}")
     free = 0
-    if why_not is None:
+    if os.path.isdir(SHM_DIR):
         st = os.statvfs(SHM_DIR)
         free = st.f_bavail * st.f_frsize
     facts = {"host": (socket.gethostname(), *_kernel_and_mounts()), "why_not": why_not,
-             "cpus": len(os.sched_getaffinity(0)),
+             "cpus": sorted(os.sched_getaffinity(0)),
              "free": free, "run": uuid.uuid4().hex, "groups": {name: g.ranks for name, g in wanted.items()}}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, facts)
@@ -252,33 +292,57 @@ def open_transports(groups: dict, mode: str, slot_bytes: int = SLOT_BYTES) -> tu
     reasons = {name: world_reasons[name, g.ranks] for name, g in wanted.items() if (name, g.ranks) in world_reasons}
     chosen = {name: g for name, g in wanted.items() if name not in reasons}
     paths = {name: os.path.join(SHM_DIR, f"specc-{run}-{name}-{'-'.join(map(str, g.ranks))}") for name, g in chosen.items()}
+    created, error = [], None
     for name, g in chosen.items():
-        if g.ranks[0] == me:  # the group's first rank creates the file; sparse until touched
-            fd = os.open(paths[name], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        if g.ranks[0] == me:  # the group's first rank creates the file
             try:
-                os.ftruncate(fd, segment_bytes(g.size, slot_bytes))
-            finally:
-                os.close(fd)
-    dist.barrier()
+                fd = os.open(paths[name], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                created.append(paths[name])
+                try:  # allocated now: a /dev/shm that fills up fails here, not as a SIGBUS mid-step
+                    os.posix_fallocate(fd, 0, segment_bytes(g.size, slot_bytes))
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                error = f"creating {paths[name]}: {e.strerror or e}"
+                break
+    transports: dict = {}
+    error = _agree(error)  # also: every file exists before anyone maps it
+    if error is None:
+        try:
+            for name, g in chosen.items():
+                transports[name] = SharedMemoryTransport(paths[name], g.size, g.rank, name, slot_bytes)
+        except (OSError, RuntimeError) as e:
+            error = f"mapping the segment of group {name!r}: {e}"
+        error = _agree(error)  # also: every member has mapped it, so the names can go
+    for path in created:  # the memory lives while mapped
+        os.unlink(path)
+    dist.barrier()  # no rank returns while a name is left in /dev/shm
+    if error is not None:  # on every rank alike
+        for transport in transports.values():
+            transport.close()
+        if mode == "shm":
+            raise TransportError(f"cannot use the shared-memory transport: {error}")
+        reasons.update({name: error for name in chosen})
+        chosen = {}
     out = dict(groups)
-    try:
-        for name, g in chosen.items():
-            out[name] = dataclasses.replace(g, transport=SharedMemoryTransport(paths[name], g.size, g.rank, name,
-                                                                                slot_bytes))
-    finally:
-        dist.barrier()  # every member has mapped it: the name can go, the memory lives while mapped
-        for name, g in chosen.items():
-            if g.ranks[0] == me:
-                os.unlink(paths[name])
-        dist.barrier()  # no rank returns while a name is left in /dev/shm
+    out.update({name: dataclasses.replace(g, transport=transports[name]) for name, g in chosen.items()})
     return out, reasons
+
+
+def _agree(error: str | None) -> str | None:
+    """The first rank's error, on every rank (None when no rank had one); a barrier too."""
+    import torch.distributed as dist
+
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
 
 
 def choose(everyone: list[dict], mode: str, slot_bytes: int = SLOT_BYTES) -> dict[tuple, str]:
     """Which groups of the world cannot have a transport, and why: (name, ranks) -> one line.
 
-    From every rank's facts (host, why_not, cpus, free bytes in /dev/shm, and its groups as
-    name -> global ranks), so every rank computes the same answer for every group."""
+    From every rank's facts (host, why_not, the cores it may run on, free bytes in /dev/shm, and its
+    groups as name -> global ranks), so every rank computes the same answer for every group."""
     hosts: dict = {}
     for r, f in enumerate(everyone):
         hosts.setdefault(f["host"], []).append(r)
@@ -287,7 +351,7 @@ def choose(everyone: list[dict], mode: str, slot_bytes: int = SLOT_BYTES) -> dic
     for key in groups:
         members = [everyone[r] for r in key[1]]
         on_host = hosts[members[0]["host"]]
-        cores = min(everyone[r]["cpus"] for r in on_host)
+        cores = len(set().union(*(everyone[r]["cpus"] for r in on_host)))  # ranks may be pinned apart
         if any(f["host"] != members[0]["host"] for f in members):
             reasons[key] = "its ranks are on more than one host"
         elif any(f["why_not"] for f in members):

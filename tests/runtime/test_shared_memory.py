@@ -184,7 +184,8 @@ def test_bad_transport_name(gloo):
 
 
 def _facts(host="h", cpus=4, free=1 << 40, why_not=None, **groups):
-    return {"host": host, "cpus": cpus, "free": free, "why_not": why_not, "groups": groups}
+    cores = list(range(cpus)) if isinstance(cpus, int) else cpus
+    return {"host": host, "cpus": cores, "free": free, "why_not": why_not, "groups": groups}
 
 
 def test_choose_keeps_a_group_to_one_host_with_a_core_per_rank():
@@ -195,6 +196,12 @@ def test_choose_keeps_a_group_to_one_host_with_a_core_per_rank():
     assert choose(crowded, "auto") == {("tp", (0, 1, 2)): "3 ranks share 2 cores on this host "
                                                           "(transport 'shm' uses it anyway)"}
     assert choose(crowded, "shm") == {}
+    # ranks pinned to cores of their own count every core of the host, not one rank's share
+    pinned = [_facts(cpus=[r], tp=(0, 1)) for r in range(2)]
+    assert choose(pinned, "auto") == {}
+    stacked = [_facts(cpus=[0], tp=(0, 1)) for _ in range(2)]
+    assert choose(stacked, "auto") == {("tp", (0, 1)): "2 ranks share 1 cores on this host "
+                                                       "(transport 'shm' uses it anyway)"}
     # a data-parallel group across two hosts; the tensor-parallel groups stay within one
     split = [_facts(host="a", tp=(0, 1), dp=(0, 2)), _facts(host="a", tp=(0, 1), dp=(1, 3)),
              _facts(host="b", tp=(2, 3), dp=(0, 2)), _facts(host="b", tp=(2, 3), dp=(1, 3))]
@@ -285,3 +292,56 @@ def _check_one_rank_cannot(rank, world):
 
 def test_a_rank_that_cannot_map_the_segment_decides_for_its_group(gloo):
     gloo.run(2, _check_one_rank_cannot)
+
+
+def _check_misuse_raises(rank, world):
+    """Ranks that issue different collectives get an error, not each other's stale bytes; a
+    destroyed group's transport refuses; a tensor that requires grad is reduced as gloo does."""
+    pg = ProcessGroups.initialize(tp=world, transport="shm")
+    try:
+        leaf = torch.full((3,), float(rank + 1), requires_grad=True)
+        comm.all_reduce(leaf, pg.tp)
+        assert torch.equal(leaf.detach(), torch.full((3,), 3.0))
+        with pytest.raises(RuntimeError, match=r"collective 2 on group 'tp': the ranks issued different collectives "
+                                               r"\(rank 0: all_reduce:sum of 4 torch.float32 elements \(from 0\); "
+                                               r"rank 1: all_reduce:sum of 3 torch.float32"):
+            comm.all_reduce(torch.ones(4 - rank), pg.tp)
+    finally:
+        pg.destroy()
+    with pytest.raises(RuntimeError, match="transport of group 'tp' is closed"):
+        comm.all_reduce(torch.ones(2), pg.tp)
+
+
+def test_misuse_raises(gloo):
+    gloo.run(2, _check_misuse_raises)
+
+
+def _check_a_failed_segment_is_agreed(rank, world):
+    """A segment its creator cannot allocate (a full /dev/shm) fails on every rank alike: auto
+    falls back to torch.distributed, shm raises; no file is left behind."""
+    from runtime.shared_memory import TransportError
+
+    real = os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    if rank == 0:
+        os.posix_fallocate = full
+    try:
+        before = {f for f in os.listdir("/dev/shm") if f.startswith("specc-")}
+        pg = ProcessGroups.initialize(tp=world)
+        assert pg.tp.transport is None
+        assert pg.transport_reasons["tp"].startswith("rank 0: creating /dev/shm/specc-")
+        assert pg.transport_reasons["tp"].endswith(": No space left on device")
+        pg.destroy()
+        with pytest.raises(TransportError, match="rank 0: creating .*No space left on device"):
+            ProcessGroups.initialize(tp=world, transport="shm")
+        assert {f for f in os.listdir("/dev/shm") if f.startswith("specc-")} == before
+    finally:
+        os.posix_fallocate = real
+        dist.barrier()
+
+
+def test_a_failed_segment_is_agreed(gloo):
+    gloo.run(2, _check_a_failed_segment_is_agreed)
