@@ -244,15 +244,22 @@ def _check_mappings_and_positions(rank, world):
         pg.destroy()
 
 
+def _rank_heads(pg, heads, seed, dtype):
+    """q, k, v over the full sequence of 8 * CP tokens (seeds seed, seed+1, seed+2), cut to this TP
+    rank's heads; with the local head counts and this CP rank's global positions."""
+    tp, cp = pg.tp, pg.cp
+    (nh, ng), S = heads, 8 * cp.size
+    pos = load_balanced_positions(S // cp.size, cp)
+    full = [seeded(seed + i, S, B, m * D).to(dtype) for i, m in enumerate((nh, ng, ng))]
+    local_heads = [t.view(S, B, m, D)[:, :, tp.rank * (m // tp.size):(tp.rank + 1) * (m // tp.size)]
+                   .reshape(S, B, -1) for t, m in zip(full, (nh, ng, ng))]
+    return nh // tp.size, ng // tp.size, S, pos, local_heads
+
+
 def _attention_case(pg, causal, heads, comm_type):
     """CP attention of this rank's chunks vs full SDPA: out, grads and exact comm counts."""
     tp, cp, n = pg.tp, pg.cp, pg.cp.size
-    (nh, ng), S = heads, 8 * n
-    nh_l, ng_l, s = nh // tp.size, ng // tp.size, S // n
-    pos = load_balanced_positions(s, cp)
-    full = [seeded(10 + i, S, B, m * D).float() for i, m in enumerate((nh, ng, ng))]
-    local_heads = [t.view(S, B, m, D)[:, :, tp.rank * (m // tp.size):(tp.rank + 1) * (m // tp.size)]
-                   .reshape(S, B, -1) for t, m in zip(full, (nh, ng, ng))]
+    nh_l, ng_l, S, pos, local_heads = _rank_heads(pg, heads, 10, torch.float32)
     q, k, v = (t[pos].clone().requires_grad_(True) for t in local_heads)
     with CommCounter() as fwd:
         out = context_parallel_attention(q, k, v, num_heads=nh_l, num_kv_heads=ng_l, head_dim=D, cp=cp,
@@ -266,7 +273,7 @@ def _attention_case(pg, causal, heads, comm_type):
     for name, got, want in zip("qkv", (q.grad, k.grad, v.grad), torch.autograd.grad(ref, leaves, dout)):
         close_to(got, want[pos], f"{what} d{name}")
 
-    kv_bytes = 2 * s * B * ng_l * D * F32  # one K/V message: [2, s_local, b, kv_heads * d]
+    kv_bytes = 2 * (S // n) * B * ng_l * D * F32  # one K/V message: [2, s_local, b, kv_heads * d]
     if comm_type == "p2p":
         assert fwd.totals() == {"send": (n - 1, (n - 1) * kv_bytes), "recv": (n - 1, (n - 1) * kv_bytes)}, what
         steps = (n - 1) + n  # K/V again, then the dK/dV accumulators
@@ -282,12 +289,7 @@ def _dropout_case(pg, comm_type):
     """Dropout with CP: the TP-invariant tracker drops exactly what the CP=1 unfused path drops;
     the ordinary stream is replayed in backward (checked by directional derivatives)."""
     tp, cp, n = pg.tp, pg.cp, pg.cp.size
-    (nh, ng), S = KV_HEADS, 8 * n
-    nh_l, ng_l, s = nh // tp.size, ng // tp.size, S // n
-    pos = load_balanced_positions(s, cp)
-    full = [seeded(30 + i, S, B, m * D) for i, m in enumerate((nh, ng, ng))]
-    local_heads = [t.view(S, B, m, D)[:, :, tp.rank * (m // tp.size):(tp.rank + 1) * (m // tp.size)]
-                   .reshape(S, B, -1) for t, m in zip(full, (nh, ng, ng))]
+    nh_l, ng_l, S, pos, local_heads = _rank_heads(pg, KV_HEADS, 30, torch.float64)
     what = f"dropout cp={n} tp={tp.size} {comm_type}"
 
     # TP-invariant masks: exactly the CP=1 result
@@ -356,12 +358,7 @@ def _masked_case(pg, comm_type, causal, window, softcap, documents):
     """Windows, soft-capped scores and documents by global position vs CP=1's CoreAttention in
     fp64 (its own mask): out and every gradient, both comm types."""
     tp, cp, n = pg.tp, pg.cp, pg.cp.size
-    (nh, ng), S = KV_HEADS, 8 * n
-    nh_l, ng_l, s = nh // tp.size, ng // tp.size, S // n
-    pos = load_balanced_positions(s, cp)
-    full = [seeded(60 + i, S, B, m * D).float() for i, m in enumerate((nh, ng, ng))]
-    local_heads = [t.view(S, B, m, D)[:, :, tp.rank * (m // tp.size):(tp.rank + 1) * (m // tp.size)]
-                   .reshape(S, B, -1) for t, m in zip(full, (nh, ng, ng))]
+    nh_l, ng_l, S, pos, local_heads = _rank_heads(pg, KV_HEADS, 60, torch.float32)
     docs = _documents(S, 7) if documents else None
     ref_leaves = [t.double().requires_grad_(True) for t in local_heads]
     ref = CoreAttention(nh_l, ng_l, D, causal=causal, window=window, softcap=softcap, backend="unfused")(
