@@ -17,7 +17,8 @@ otherwise pick, measured side by side in one run at TP=1, TP=2 and TP=2 with SP:
 Both sides start from the same weights (specc's TP-invariant init, gathered to full size and cut
 the way Megatron shards: vocabulary rows, per-head [q_h|k_h|v_h] QKV rows, column and row
 splits) and their first losses are compared. A step is zero_grad, forward, backward, gradient
-finalization, torch.optim.AdamW; the implementations alternate step by step and the median is
+finalization, torch.optim.AdamW(fused=True) (the same optimizer on both sides, torch's fastest on
+the CPU); the implementations alternate step by step and the median is
 taken, over --rounds independent rounds of --steps steps; the ratio reported is the median of
 the per-round ratios. MFU is the model's FLOPs per step (from specc's plan: the compiler counts
 every op) over a measured fp32 GEMM peak at the same thread count (one per rank). At TP=2 it
@@ -60,6 +61,7 @@ from train_step import (  # noqa: E402
     mfu,
     overrides,
     plan_flops,
+    plan_flops_by_kind,
     run_ranks,
 )
 
@@ -290,32 +292,41 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 def matmul_time(runner, batches, steps: int = 4) -> dict:
     """Where a step's time goes (torch.profiler, per step): the whole step, the self time of the
-    matrix multiplies, and of attention's fused kernels (whose FLOPs the plan also counts); with
-    the GEMM peak measured just before and after, since this machine's speed drifts over a run."""
+    matrix multiplies, of attention's fused kernels (whose FLOPs the plan also counts) and of the
+    optimizer step; with the GEMM peak measured just before and after, since this machine's speed
+    drifts over a run."""
     from torch.profiler import ProfilerActivity, profile
 
     peaks = [gemm_peak_gflops()]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         total = sum(runner.step(batches[i % len(batches)]) for i in range(steps))
     peaks.append(gemm_peak_gflops())
-    gemm = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_OPS)
-    attention = sum(e.self_cpu_time_total for e in prof.key_averages() if "scaled_dot_product" in e.key)
+    events = prof.key_averages()
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS)
+    attention = sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key)
+    optimizer = sum(e.cpu_time_total for e in events if e.key.startswith("Optimizer.step#"))
     return {"step": total / steps, "gemm": gemm / 1e6 / steps, "attention": attention / 1e6 / steps,
-            "peak_gflops": max(peaks)}
+            "optimizer": optimizer / 1e6 / steps, "peak_gflops": max(peaks)}
 
 
-def matmul_line(res: dict, flops: float) -> str:
-    """What bounds TP=1's MFU: the share of the step in matrix multiplies and attention, and the
-    rate those reach inside the step against the measured peak (a 1024^3 GEMM)."""
+def matmul_line(res: dict, flops: float, attention_flops: float) -> str:
+    """What bounds TP=1's MFU, as an exact sum: MFU = (share of the step in GEMMs) x (their rate
+    over the peak) + the same for attention's kernels, so what it lacks of 100% is the GEMMs' and
+    attention's shortfall from the peak, plus the optimizer's share and everything else's (norms,
+    GELU, residual adds, the loss, the embedding), which do no counted FLOPs."""
     t = res["matmul"]
-    kernels = t["gemm"] + t["attention"]
-    rate = flops / kernels / 1e9
-    return (f"- **What bounds MFU at TP=1** (specc's step under torch.profiler): matrix multiplies take "
-            f"{t['gemm'] / t['step']:.0%} of the step and attention's kernels {t['attention'] / t['step']:.0%}; "
-            f"together they run at {rate:.1f} GFLOP/s, {rate / t['peak_gflops']:.0%} of the GEMM peak measured "
-            f"alongside ({t['peak_gflops']:.1f} GFLOP/s), at this model's shapes. So even with nothing else in the "
-            f"step (norms, GELU, the loss, AdamW: the other {1 - kernels / t['step']:.0%}) MFU would be "
-            f"{rate / t['peak_gflops']:.0%}, not the peak.")
+    peak = t["peak_gflops"] * 1e9
+    shares = {k: t[k] / t["step"] for k in ("gemm", "attention", "optimizer")}
+    rest = 1 - sum(shares.values())
+    gemm_rate = (flops - attention_flops) / t["gemm"] / peak
+    attention_rate = attention_flops / t["attention"] / peak if t["attention"] else 0.0
+    util = shares["gemm"] * gemm_rate + shares["attention"] * attention_rate
+    return (f"- **What bounds MFU at TP=1** (specc's step under torch.profiler, against the GEMM peak measured "
+            f"alongside, {t['peak_gflops']:.1f} GFLOP/s): matrix multiplies take {shares['gemm']:.0%} of the step "
+            f"and run at {gemm_rate:.0%} of the peak; attention's fused kernels take {shares['attention']:.0%} "
+            f"and run at {attention_rate:.0%} of it; so MFU is {util:.0%}. The rest of the step does no counted "
+            f"FLOPs: the optimizer {shares['optimizer']:.0%}, everything else (norms, GELU, residual adds, the "
+            f"loss, the embedding) {rest:.0%}.")
 
 
 # -- one setting on its ranks ----------------------------------------------------------------------
@@ -332,9 +343,9 @@ def _rank(rank, world, cfg, setting):
     full = {n: full_parameter(p, pg.tp) for n, p in ours.named_parameters()}
     theirs, mconfig = build_megatron(cfg, tp, sp)
     copy_weights(theirs, full, cfg.heads, tp, pg.tp.rank)
-    runners = [Runner("specc", ours, compiled_loss, lambda: runtime.finalize_model_grads(ours, pg)),
+    runners = [Runner("specc", ours, compiled_loss, lambda: runtime.finalize_model_grads(ours, pg), fused_adamw=True),
                Runner("megatron", theirs, megatron_loss_fn(cfg.seq),
-                      lambda: _allreduce_non_tensor_model_parallel_grads([theirs], mconfig))]
+                      lambda: _allreduce_non_tensor_model_parallel_grads([theirs], mconfig), fused_adamw=True)]
     groups = [pg]
     if tp > 1:  # specc on Megatron's transport: what the shared-memory collectives are worth
         on_gloo = runtime.ProcessGroups.initialize(tp=tp, transport="torch")
@@ -342,7 +353,7 @@ def _rank(rank, world, cfg, setting):
         specc_gloo = specc_torch.build_model(SPEC, on_gloo, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
                                              micro_batch_size=cfg.batch)
         runners.append(Runner("specc-gloo", specc_gloo, compiled_loss,
-                              lambda: runtime.finalize_model_grads(specc_gloo, on_gloo)))
+                              lambda: runtime.finalize_model_grads(specc_gloo, on_gloo), fused_adamw=True))
     if cfg.own_step:  # second copies of both models (the steps change the weights)
         ours2 = specc_torch.build_model(SPEC, pg, seed=cfg.seed, sp=sp, overrides=overrides(cfg),
                                         micro_batch_size=cfg.batch)
@@ -355,7 +366,7 @@ def _rank(rank, world, cfg, setting):
                                            micro_batch_size=cfg.batch)
         compile_layers(compiled, "inductor")
         runners.append(Runner("specc+compile", compiled, compiled_loss,
-                              lambda: runtime.finalize_model_grads(compiled, pg)))
+                              lambda: runtime.finalize_model_grads(compiled, pg), fused_adamw=True))
     batches = make_batches(cfg)
     rounds, peaks = [], []
     for _ in range(cfg.rounds):
@@ -450,7 +461,8 @@ on {date}: {machine}; one thread per rank; the run took {elapsed:.0f} s.
 Model: {shape}. FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak measured per rank: {peak:.1f} GFLOP/s.
 
 **Model step** (both sides: zero_grad, forward, backward, gradient finalization, and the same
-`torch.optim.AdamW`): what the two implementations of the model cost.
+`torch.optim.AdamW(fused=True)`, torch's one-kernel AdamW, its fastest on the CPU): what the two
+implementations of the model cost.
 
 {table}
 {own}{comm}
@@ -550,7 +562,8 @@ def main(argv=None) -> int:
     if collectives:
         collectives = COMM.format(table=collectives)
         print(collectives)
-    matmul = "".join(matmul_line(res, flops) + "\n" for res in results.values() if res["matmul"])
+    attention_flops = plan_flops_by_kind(cfg).get("core_attention", 0.0)
+    matmul = "".join(matmul_line(res, flops, attention_flops) + "\n" for res in results.values() if res["matmul"])
     if matmul:
         print(matmul)
     own = ""

@@ -72,10 +72,14 @@ def test_specc_on_gloo_is_a_column_of_the_model_step_at_tp_above_one():
 
 def test_the_tp1_line_says_what_bounds_mfu():
     res = _result([{"specc": 1.0, "megatron": 1.0}])
-    # 75% of the step in the kernels; the peak measured alongside, not the run's best (100)
-    res["matmul"] = {"step": 0.8, "gemm": 0.56, "attention": 0.04, "peak_gflops": 100.0}
+    # the peak measured alongside, not the run's best (120)
+    res["matmul"] = {"step": 0.8, "gemm": 0.5, "attention": 0.1, "optimizer": 0.04, "peak_gflops": 100.0}
     res["peak_gflops"] = 120.0
-    line = megatron_step.matmul_line(res, flops=48e9)  # 48 GFLOP in 0.6 s: 80 GFLOP/s of the 100 peak
-    assert "matrix multiplies take 70% of the step and attention's kernels 5%" in line
-    assert "together they run at 80.0 GFLOP/s, 80% of the GEMM peak measured alongside (100.0 GFLOP/s)" in line
-    assert "the other 25%) MFU would be 80%, not the peak" in line
+    # 45 GFLOP of GEMMs in 0.5 s: 90% of the peak; 3 GFLOP of attention in 0.1 s: 30%
+    line = megatron_step.matmul_line(res, flops=48e9, attention_flops=3e9)
+    assert "measured alongside, 100.0 GFLOP/s" in line
+    assert "matrix multiplies take 62% of the step and run at 90% of the peak" in line
+    assert "attention's fused kernels take 12% and run at 30% of it" in line
+    # MFU = 0.625 x 0.9 + 0.125 x 0.3 = 60%: exactly 48 GFLOP in 0.8 s over 100 GFLOP/s
+    assert "so MFU is 60%" in line
+    assert "the optimizer 5%, everything else (norms, GELU, residual adds, the loss, the embedding) 20%" in line
