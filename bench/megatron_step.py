@@ -293,20 +293,21 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 def matmul_time(runner, batches, steps: int = 4) -> dict:
     """Where a step's time goes (torch.profiler, per step): the whole step, the self time of the
     matrix multiplies, of attention's fused kernels (whose FLOPs the plan also counts) and of the
-    optimizer step; with the GEMM peak measured just before and after, since this machine's speed
-    drifts over a run."""
+    optimizer step; against the median of GEMM peak readings taken between the profiled steps,
+    since this machine's speed drifts (by 10% and more within a run)."""
     from torch.profiler import ProfilerActivity, profile
 
-    peaks = [gemm_peak_gflops()]
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        total = sum(runner.step(batches[i % len(batches)]) for i in range(steps))
-    peaks.append(gemm_peak_gflops())
-    events = prof.key_averages()
-    gemm = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS)
-    attention = sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key)
-    optimizer = sum(e.cpu_time_total for e in events if e.key.startswith("Optimizer.step#"))
+    peaks, total, gemm, attention, optimizer = [gemm_peak_gflops()], 0.0, 0.0, 0.0, 0.0
+    for i in range(steps):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            total += runner.step(batches[i % len(batches)])
+        peaks.append(gemm_peak_gflops())
+        events = prof.key_averages()
+        gemm += sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS)
+        attention += sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key)
+        optimizer += sum(e.cpu_time_total for e in events if e.key.startswith("Optimizer.step#"))
     return {"step": total / steps, "gemm": gemm / 1e6 / steps, "attention": attention / 1e6 / steps,
-            "optimizer": optimizer / 1e6 / steps, "peak_gflops": max(peaks)}
+            "optimizer": optimizer / 1e6 / steps, "peak_gflops": statistics.median(peaks)}
 
 
 def matmul_line(res: dict, flops: float, attention_flops: float) -> str:
@@ -321,8 +322,8 @@ def matmul_line(res: dict, flops: float, attention_flops: float) -> str:
     gemm_rate = (flops - attention_flops) / t["gemm"] / peak
     attention_rate = attention_flops / t["attention"] / peak if t["attention"] else 0.0
     util = shares["gemm"] * gemm_rate + shares["attention"] * attention_rate
-    return (f"- **What bounds MFU at TP=1** (specc's step under torch.profiler, against the GEMM peak measured "
-            f"alongside, {t['peak_gflops']:.1f} GFLOP/s): matrix multiplies take {shares['gemm']:.0%} of the step "
+    return (f"- **What bounds MFU at TP=1** (specc's step under torch.profiler, against the GEMM peak read "
+            f"between the profiled steps, {t['peak_gflops']:.1f} GFLOP/s): matrix multiplies take {shares['gemm']:.0%} of the step "
             f"and run at {gemm_rate:.0%} of the peak; attention's fused kernels take {shares['attention']:.0%} "
             f"and run at {attention_rate:.0%} of it; so MFU is {util:.0%}. The rest of the step does no counted "
             f"FLOPs: the optimizer {shares['optimizer']:.0%}, everything else (norms, GELU, residual adds, the "
@@ -372,10 +373,11 @@ def _rank(rank, world, cfg, setting):
     for _ in range(cfg.rounds):
         for r in runners:
             r.times.clear()
-        # the GEMM peak is measured before every round and the highest kept: a reading taken
-        # while other processes load the machine would understate it and inflate the MFU
-        peaks.append(gemm_peak_gflops())
-        rounds.append(measure(runners, batches, cfg.steps))
+        # the GEMM peak of a round: the median of short readings taken among its steps, so that
+        # the machine's drift (10% and more over a run) moves the steps and their peak together
+        readings: list[float] = []
+        rounds.append(measure(runners, batches, cfg.steps, between=lambda: readings.append(gemm_peak_gflops(repeats=2))))
+        peaks.append(statistics.median(readings))
     comm_time = None
     named = {r.name: r for r in runners}
     if tp > 1:
@@ -384,7 +386,7 @@ def _rank(rank, world, cfg, setting):
     matmul = matmul_time(named["specc"], batches) if tp == 1 else None
     for g in groups:
         g.destroy()
-    return {"rounds": rounds, "peak_gflops": max(peaks), "comm": comm_time, "transport": transport, "matmul": matmul}
+    return {"rounds": rounds, "peaks": peaks, "comm": comm_time, "transport": transport, "matmul": matmul}
 
 
 def run_setting(cfg, setting: str) -> dict:
@@ -398,7 +400,9 @@ def run_setting(cfg, setting: str) -> dict:
     if got[0]["comm"] is not None:  # per runner, the rank that waited longest: it sets the step's end
         comm_time = {name: max((got[r]["comm"][name] for r in got), key=lambda c: c["exposed"])
                      for name in got[0]["comm"]}
-    return {"rounds": rounds, "first_loss": first, "peak_gflops": min(got[r]["peak_gflops"] for r in got),
+    # every rank has its own core: what the ranks could do meanwhile is the sum of their peaks
+    peaks = [statistics.mean(got[r]["peaks"][k] for r in got) for k in range(cfg.rounds)]
+    return {"rounds": rounds, "first_loss": first, "peaks": peaks,
             "comm": comm_time, "transport": got[0]["transport"], "matmul": got[0]["matmul"]}
 
 
@@ -427,7 +431,9 @@ def table(cfg, results: dict, flops: float, ours: str = "specc", theirs: str = "
         tp = SETTINGS[setting][0]
         target = "< 1" if tp == 1 else "<= 0.85"
         met = ratio < 1 if tp == 1 else ratio <= 0.85
-        util = {n: mfu(flops, med[n], res["peak_gflops"], tp) for n in med}  # every rank has its own core
+        # per round, against that round's peak (the machine drifts between rounds), then the median
+        util = {n: statistics.median(mfu(flops, r[n], peak, tp) for r, peak in zip(res["rounds"], res["peaks"]))
+                for n in med}
         diff = abs(res["first_loss"][ours] - res["first_loss"][theirs])
         line = (f"| {LABELS[setting]} | {med[ours] * 1e3:.1f} | {med[theirs] * 1e3:.1f} | **{ratio:.3f}** | "
                 f"{target} {'met' if met else 'missed'} | {util[ours]:.1%} | {util[theirs]:.1%} | {diff:.1e} |")
@@ -458,7 +464,8 @@ DOC = """## Training step: specc vs Megatron Core
 
 Measured by `python bench/megatron_step.py` (after `bash bench/setup_megatron.sh`; written by it)
 on {date}: {machine}; one thread per rank; the run took {elapsed:.0f} s.
-Model: {shape}. FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak measured per rank: {peak:.1f} GFLOP/s.
+Model: {shape}. FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak measured per rank: {peak:.1f} GFLOP/s
+(the median over rounds; each round's peak is read among its steps, and each round's MFU is against it).
 
 **Model step** (both sides: zero_grad, forward, backward, gradient finalization, and the same
 `torch.optim.AdamW(fused=True)`, torch's one-kernel AdamW, its fastest on the CPU): what the two
@@ -478,7 +485,9 @@ implementations of the model cost.
   `--collective-transport`; {transport} in this run); Megatron Core issues its collectives on
   torch.distributed itself, gloo here. The *specc on gloo* columns run specc on gloo as well: the
   gap between the two specc columns is the transport, the rest is the implementation.
-- **MFU** = FLOPs per step / step time / (GEMM peak x ranks).
+- **MFU** = FLOPs per step / step time / (GEMM peak x ranks), per round, the median over rounds.
+  The peak is a 1024^3 fp32 GEMM at one thread, read between the round's steps; the model's own
+  GEMM shapes run at the same rate within this machine's noise.
 - **first-loss diff**: both start from the same weights (cut to Megatron's shards, QKV per head), so
   the first losses agree: it is the same function.
 """
@@ -580,7 +589,7 @@ def main(argv=None) -> int:
                       file=sys.stderr)
                 return 1
     if not cfg.no_write:
-        peak = min(r["peak_gflops"] for r in results.values())
+        peak = statistics.median(p for r in results.values() for p in r["peaks"])
         replace_section(cfg.output, DOC.format(date=datetime.date.today().isoformat(), machine=machine_line(),
                                          elapsed=elapsed, shape=shape, flops=flops, peak=peak, table=text, own=own, comm=collectives,
                                          rounds=cfg.rounds, transport=_transports(results),

@@ -258,8 +258,10 @@ class Runner:
         return elapsed
 
 
-def measure(runners, batches, steps):
-    """Warm up (and measure memory), then alternate the runners step by step."""
+def measure(runners, batches, steps, between=None):
+    """Warm up (and measure memory), then alternate the runners step by step; `between()`, if
+    given, runs after every runner has taken its step (the bench's GEMM peak readings: taken
+    among the steps they are compared with, the machine's drift hits both)."""
     for r in runners:
         r.step(batches[0], measure_memory=True)
         r.step(batches[1 % len(batches)])
@@ -267,6 +269,8 @@ def measure(runners, batches, steps):
         order = runners if i % 2 == 0 else list(reversed(runners))  # no runner always goes first
         for r in order:
             r.times.append(r.step(batches[i % len(batches)]))
+        if between is not None:
+            between()
     return {r.name: (statistics.median(r.times), r.memory, r.losses[0]) for r in runners}
 
 

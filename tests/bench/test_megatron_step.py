@@ -23,7 +23,7 @@ megatron_step = _load()
 
 
 def _result(rounds, comm=None):
-    return {"rounds": rounds, "first_loss": {n: 8.25 for n in rounds[0]}, "peak_gflops": 100.0, "comm": comm,
+    return {"rounds": rounds, "first_loss": {n: 8.25 for n in rounds[0]}, "peaks": [100.0] * len(rounds), "comm": comm,
             "transport": "shared memory"}
 
 
@@ -72,14 +72,23 @@ def test_specc_on_gloo_is_a_column_of_the_model_step_at_tp_above_one():
 
 def test_the_tp1_line_says_what_bounds_mfu():
     res = _result([{"specc": 1.0, "megatron": 1.0}])
-    # the peak measured alongside, not the run's best (120)
+    # the peak read between the profiled steps, not the rounds' (120)
     res["matmul"] = {"step": 0.8, "gemm": 0.5, "attention": 0.1, "optimizer": 0.04, "peak_gflops": 100.0}
-    res["peak_gflops"] = 120.0
+    res["peaks"] = [120.0]
     # 45 GFLOP of GEMMs in 0.5 s: 90% of the peak; 3 GFLOP of attention in 0.1 s: 30%
     line = megatron_step.matmul_line(res, flops=48e9, attention_flops=3e9)
-    assert "measured alongside, 100.0 GFLOP/s" in line
+    assert "read between the profiled steps, 100.0 GFLOP/s" in line
     assert "matrix multiplies take 62% of the step and run at 90% of the peak" in line
     assert "attention's fused kernels take 12% and run at 30% of it" in line
     # MFU = 0.625 x 0.9 + 0.125 x 0.3 = 60%: exactly 48 GFLOP in 0.8 s over 100 GFLOP/s
     assert "so MFU is 60%" in line
     assert "the optimizer 5%, everything else (norms, GELU, residual adds, the loss, the embedding) 20%" in line
+
+
+def test_mfu_is_taken_per_round_against_that_rounds_peak():
+    cfg = types.SimpleNamespace(torch_compile=False)
+    # the machine ran 20% slower in the second round: its steps and its peak moved together
+    res = _result([{"specc": 0.5, "megatron": 1.0}, {"specc": 0.6, "megatron": 1.2}, {"specc": 0.5, "megatron": 1.0}])
+    res["peaks"] = [100.0, 80.0, 100.0]
+    row = megatron_step.table(cfg, {"tp1": res}, flops=40e9).splitlines()[2]
+    assert "| 80.0% | 40.0% |" in row  # 40 GFLOP in 0.5 s of 100, and in 0.6 s of 80 (83%): median 80%
