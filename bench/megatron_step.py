@@ -39,6 +39,7 @@ import contextlib
 import datetime
 import os
 import statistics
+import subprocess
 import sys
 import time
 import types
@@ -406,6 +407,18 @@ def run_setting(cfg, setting: str) -> dict:
             "comm": comm_time, "transport": got[0]["transport"], "matmul": got[0]["matmul"]}
 
 
+@contextlib.contextmanager
+def background_load(processes: int):
+    """`processes` busy loops running for the duration (yielded): other work on a shared machine."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield spinners
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+
+
 # -- report ----------------------------------------------------------------------------------------
 
 def table(cfg, results: dict, flops: float, ours: str = "specc", theirs: str = "megatron") -> str:
@@ -460,10 +473,12 @@ def comm_table(results: dict) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
-DOC = """## Training step: specc vs Megatron Core
+TITLE = "## Training step: specc vs Megatron Core"
 
-Measured by `python bench/megatron_step.py` (after `bash bench/setup_megatron.sh`; written by it)
-on {date}: {machine}; one thread per rank; the run took {elapsed:.0f} s.
+DOC = """{title}
+
+Measured by `python bench/megatron_step.py{args}` (after `bash bench/setup_megatron.sh`; written by it)
+on {date}: {machine}; one thread per rank; the run took {elapsed:.0f} s.{load}
 Model: {shape}. FLOPs per step (specc's plan): {flops:.3g}; fp32 GEMM peak measured per rank: {peak:.1f} GFLOP/s
 (the median over rounds; each round's peak is read among its steps, and each round's MFU is against it).
 
@@ -541,6 +556,9 @@ def main(argv=None) -> int:
     p.add_argument("--torch-compile", action="store_true", help="also time specc with each layer compiled")
     p.add_argument("--output", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--load", type=int, default=0, metavar="N",
+                   help="N other processes spin on the CPU throughout (busy loops): how both systems hold up on "
+                        "a shared machine; written to a section of its own")
     p.add_argument("--no-own-step", dest="own_step", action="store_false",
                    help="time only the model step (the same torch AdamW on both sides), not also each "
                         "system's own training step (its DDP and optimizer)")
@@ -556,14 +574,17 @@ def main(argv=None) -> int:
     shape = (f"gpt.yaml at hidden {cfg.hidden}, {cfg.layers} layers, {cfg.heads} heads, seq {cfg.seq}, vocab "
              f"{cfg.vocab}, micro-batch {cfg.batch}, fp32; {cfg.rounds} rounds of {cfg.steps} timed steps each "
              f"after 2 warm-up steps")
+    if cfg.load < 0:
+        p.error("--load: a number of processes, 0 or more")
     print(f"bench/megatron_step.py: {shape}", flush=True)
     start = time.perf_counter()
     torch.set_num_threads(1)
     flops = plan_flops(cfg)
     results = {}
-    for setting in settings:
-        results[setting] = run_setting(cfg, setting)
-        print(f"{LABELS[setting]} done", flush=True)
+    with background_load(cfg.load):
+        for setting in settings:
+            results[setting] = run_setting(cfg, setting)
+            print(f"{LABELS[setting]} done", flush=True)
     elapsed = time.perf_counter() - start
     text = table(cfg, results, flops)
     print(text)
@@ -589,11 +610,18 @@ def main(argv=None) -> int:
                       file=sys.stderr)
                 return 1
     if not cfg.no_write:
-        peak = statistics.median(p for r in results.values() for p in r["peaks"])
-        replace_section(cfg.output, DOC.format(date=datetime.date.today().isoformat(), machine=machine_line(),
-                                         elapsed=elapsed, shape=shape, flops=flops, peak=peak, table=text, own=own, comm=collectives,
-                                         rounds=cfg.rounds, transport=_transports(results),
-                                         matmul=matmul))
+        peak = statistics.median(x for res in results.values() for x in res["peaks"])
+        title, load, args = TITLE, "", " --torch-compile" if cfg.torch_compile else ""
+        if cfg.load:
+            title += f", with {cfg.load} busy processes alongside"
+            load = (f" Throughout, {cfg.load} other processes (busy Python loops) spun on the CPU, so the ranks "
+                    f"shared its cores with them: how both systems hold up on a loaded machine.")
+            args += f" --load {cfg.load}"
+        section = DOC.format(title=title, args=args, load=load, date=datetime.date.today().isoformat(),
+                             machine=machine_line(), elapsed=elapsed, shape=shape, flops=flops, peak=peak, table=text,
+                             own=own, comm=collectives, rounds=cfg.rounds, transport=_transports(results),
+                             matmul=matmul)
+        replace_section(cfg.output, section)
         print(f"wrote {cfg.output}")
     return 0
 

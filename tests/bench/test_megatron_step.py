@@ -92,3 +92,15 @@ def test_mfu_is_taken_per_round_against_that_rounds_peak():
     res["peaks"] = [100.0, 80.0, 100.0]
     row = megatron_step.table(cfg, {"tp1": res}, flops=40e9).splitlines()[2]
     assert "| 80.0% | 40.0% |" in row  # 40 GFLOP in 0.5 s of 100, and in 0.6 s of 80 (83%): median 80%
+
+
+def test_the_background_load_spins_for_the_run_and_is_gone_after_it():
+    with megatron_step.background_load(2) as spinners:
+        assert len(spinners) == 2 and all(proc.poll() is None for proc in spinners)
+    assert all(proc.poll() is not None for proc in spinners)
+    try:
+        with megatron_step.background_load(1) as spinners:
+            raise KeyboardInterrupt  # an interrupted run leaves no spinner behind
+    except KeyboardInterrupt:
+        pass
+    assert spinners[0].poll() is not None
