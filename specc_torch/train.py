@@ -94,7 +94,7 @@ def config_from_args(args) -> TrainConfig:
                                                    loss_scale_window=args.loss_scale_window,
                                                    hysteresis=args.hysteresis),
         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-        bf16=args.bf16, seed=args.seed, device=args.device,
+        bf16=args.bf16, seed=args.seed, device=args.device, host_memory=args.host_memory,
         torch_compile=args.torch_compile_backend if args.torch_compile else None,
         recompute=recompute_from(args))
 
@@ -503,6 +503,7 @@ def run(cfg: TrainConfig, stream=None) -> int:
         save_checkpoint,
     )
     from runtime.checkpoint import resolve as checkpoint_path
+    from runtime.host_memory import retain_freed_memory
     from runtime.parallel_state import ProcessGroups
     from runtime.shared_memory import TransportError
     from runtime.train.report import NullReporter, Reporter
@@ -548,6 +549,9 @@ def run(cfg: TrainConfig, stream=None) -> int:
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    host_memory = "host memory: glibc's defaults (--host-memory release)"
+    if device.type == "cpu" and cfg.host_memory == "retain":  # before the model's memory is allocated
+        host_memory = retain_freed_memory()
     initialized_here = False
     if world > 1 and not dist.is_initialized():
         init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -597,6 +601,8 @@ def run(cfg: TrainConfig, stream=None) -> int:
                       f"micro-batch{'es' if cfg.num_micro_batches > 1 else ''}); MFU = achieved TFLOP/s / peak")
         reporter.start(cfg.to_dict(), setup.spec.config)
         _report_setup(reporter, cfg, setup, pg, datasets)
+        if device.type == "cpu":
+            reporter.info(host_memory)
         reporter.info(f"run directory {cfg.logging.run_dir}: {', '.join(RUN_FILES)} (the model is imported from "
                       f"its model.py), config.json, metrics.jsonl; TensorBoard in "
                       f"{cfg.logging.tensorboard_dir or os.path.join(cfg.logging.run_dir, 'tensorboard')}")

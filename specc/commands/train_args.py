@@ -96,6 +96,9 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--hysteresis", type=int, default=2, metavar="N",
                    help="fp16: overflows tolerated before the scale halves (2)")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--host-memory", dest="host_memory", default="retain", choices=("retain", "release"),
+                   help="on the CPU, memory a step frees: retain (kept in the process for the next step: no page "
+                   "faults to map it again) or release (glibc's defaults: back to the kernel)")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each repeated layer (regionally, as torchtitan does)")
     g.add_argument("--torch-compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"),

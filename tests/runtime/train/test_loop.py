@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import platform
 
 import pytest
 import torch
@@ -115,6 +116,8 @@ def test_a_4_rank_tp2_dp2_run_trains(gloo, corpus, tmp_path):
     outcomes = gloo.run(4, _train_run, corpus, run_dir)
     assert [code for code, _ in outcomes] == [0, 0, 0, 0]
     assert "collectives on CPU tensors: tp, dp, edp through shared memory" in outcomes[0][1]
+    if platform.libc_ver()[0] == "glibc":  # the default --host-memory retain
+        assert "host memory: freed blocks up to 32 MiB stay in the process for the next step" in outcomes[0][1]
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
