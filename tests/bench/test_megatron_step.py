@@ -3,23 +3,11 @@ ratio is the median of per-round ratios, the targets, MFU, the collectives' hidd
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 import types
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+from bench_modules import load
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("megatron_step", os.path.join(ROOT, "bench", "megatron_step.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["megatron_step"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-megatron_step = _load()
+megatron_step = load("megatron_step")
 
 
 def _result(rounds, comm=None):

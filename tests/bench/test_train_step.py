@@ -3,26 +3,12 @@ by op kind, and the timed step's optimizer."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 import types
 
 import torch
+from bench_modules import load
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-
-
-def _load():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    spec = importlib.util.spec_from_file_location("train_step", os.path.join(ROOT, "bench", "train_step.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_step"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-train_step = _load()
+train_step = load("train_step")
 CFG = types.SimpleNamespace(vocab=512, hidden=64, layers=2, heads=4, seq=32, batch=2)
 
 
