@@ -21,7 +21,9 @@ finalization, torch.optim.AdamW(fused=True) (the same optimizer on both sides, t
 the CPU); the implementations alternate step by step and the median is
 taken, over --rounds independent rounds of --steps steps; the ratio reported is the median of
 the per-round ratios. MFU is the model's FLOPs per step (from specc's plan: the compiler counts
-every op) over a measured fp32 GEMM peak at the same thread count (one per rank). At TP=2 it
+every op) over a measured fp32 GEMM peak at the same thread count (one per rank), read among
+each round's steps and taken per round. Each rank keeps the host memory a step frees
+(runtime.host_memory, as `specc train` does), which speeds both sides alike. At TP=2 it
 also times specc's collectives alone and inside the step (runtime.comm.CommTimer): the fraction
 of collective time the step hides.
 
@@ -29,7 +31,7 @@ Megatron Core is never a dependency of specc: `bench/setup_megatron.sh` installs
 bench/.megatron (what it needs on the CPU is explained there and in cpu_patches below).
 
     bash bench/setup_megatron.sh
-    python bench/megatron_step.py [--rounds 5 --steps 6] [--torch-compile] [--settings tp1,tp2,tp2sp]
+    python bench/megatron_step.py [--rounds 5 --steps 6] [--torch-compile] [--settings tp1,tp2,tp2sp] [--load N]
 """
 
 from __future__ import annotations
@@ -500,6 +502,9 @@ implementations of the model cost.
   `--collective-transport`; {transport} in this run); Megatron Core issues its collectives on
   torch.distributed itself, gloo here. The *specc on gloo* columns run specc on gloo as well: the
   gap between the two specc columns is the transport, the rest is the implementation.
+- **Host memory**: every rank keeps what a step frees for the next (`runtime.host_memory`, as
+  `specc train --host-memory retain` does by default on the CPU): both sides run in the same rank
+  processes and both are spared the page faults.
 - **MFU** = FLOPs per step / step time / (GEMM peak x ranks), per round, the median over rounds.
   The peak is a 1024^3 fp32 GEMM at one thread, read between the round's steps; the model's own
   GEMM shapes run at the same rate within this machine's noise.

@@ -44,6 +44,7 @@ sys.path.insert(0, ROOT)
 
 import runtime  # noqa: E402
 import specc_torch  # noqa: E402
+from runtime.host_memory import retain_freed_memory  # noqa: E402
 from runtime.init import full_parameter  # noqa: E402
 
 SPEC = os.path.join(ROOT, "specs", "gpt.yaml")
@@ -338,6 +339,7 @@ def mfu(flops: float, seconds: float, peak_gflops: float, ranks: int = 1) -> flo
 
 def _rank_main(body, rank, world, port, args, results, timeout_s):
     torch.set_num_threads(1)
+    retain_freed_memory()  # as `specc train` does on the CPU; every implementation a bench compares shares the rank
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     try:
