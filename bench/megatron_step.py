@@ -618,8 +618,9 @@ def main(argv=None) -> int:
         peak = statistics.median(x for res in results.values() for x in res["peaks"])
         title, load, args = TITLE, "", " --torch-compile" if cfg.torch_compile else ""
         if cfg.load:
-            title += f", with {cfg.load} busy processes alongside"
-            load = (f" Throughout, {cfg.load} other processes (busy Python loops) spun on the CPU, so the ranks "
+            processes = f"{cfg.load} busy process{'es' if cfg.load > 1 else ''}"
+            title += f", with {processes} alongside"
+            load = (f" Throughout, {processes} (a Python `while True: pass` each) spun on the CPU, so the ranks "
                     f"shared its cores with them: how both systems hold up on a loaded machine.")
             args += f" --load {cfg.load}"
         section = DOC.format(title=title, args=args, load=load, date=datetime.date.today().isoformat(),
