@@ -11,6 +11,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from ..host_memory import MODES as HOST_MEMORY_MODES
+
 DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 OPTIMIZERS = ("adam", "sgd")
@@ -146,7 +148,7 @@ class TrainConfig:
     loss_scale: LossScaleConfig = field(default_factory=lambda: LossScaleConfig())
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
-    host_memory: str = "retain"  # on the CPU: runtime.host_memory.MODES (retain: keep freed memory; release)
+    host_memory: str = "retain"  # on the CPU: HOST_MEMORY_MODES (retain: keep freed memory; release)
     torch_compile: str | None = None  # a torch.compile backend for each repeated layer (None: eager)
     # activation recompute, Megatron's flags as the compiler's settings: {} (none), or
     # recompute_granularity (full | selective), recompute_method, recompute_num_layers
@@ -284,8 +286,8 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"--seed must be at least 0, got {cfg.seed}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         errors.append(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
-    if cfg.host_memory not in ("retain", "release"):
-        errors.append(f"--host-memory must be retain or release, got {cfg.host_memory!r}")
+    if cfg.host_memory not in HOST_MEMORY_MODES:
+        errors.append(f"--host-memory must be {' or '.join(HOST_MEMORY_MODES)}, got {cfg.host_memory!r}")
     log = cfg.logging
     if log.peak_tflops is not None and not log.peak_tflops > 0:
         errors.append(f"--peak-tflops must be positive, got {log.peak_tflops}")

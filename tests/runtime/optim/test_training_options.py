@@ -180,6 +180,7 @@ def test_wsd_warmup_fraction_and_sample_based_schedules():
     (dict(overlap_param_gather=True), "--overlap-param-gather needs --use-distributed-optimizer"),
     (dict(bf16=True, fp16=True), "give one of --bf16 and --fp16"),
     (dict(exit_interval=0), "--exit-interval must be at least 1, got 0"),
+    (dict(host_memory="keep"), "--host-memory must be retain or release, got 'keep'"),
 ])
 def test_training_option_rules(kw, error):
     errors = resolve(_cfg(**kw), 1)
