@@ -325,12 +325,13 @@ def matmul_line(res: dict, flops: float, attention_flops: float) -> str:
     gemm_rate = (flops - attention_flops) / t["gemm"] / peak
     attention_rate = attention_flops / t["attention"] / peak if t["attention"] else 0.0
     util = shares["gemm"] * gemm_rate + shares["attention"] * attention_rate
-    return (f"- **What bounds MFU at TP=1** (specc's step under torch.profiler, against the GEMM peak read "
-            f"between the profiled steps, {t['peak_gflops']:.1f} GFLOP/s): matrix multiplies take {shares['gemm']:.0%} of the step "
-            f"and run at {gemm_rate:.0%} of the peak; attention's fused kernels take {shares['attention']:.0%} "
-            f"and run at {attention_rate:.0%} of it; so MFU is {util:.0%}. The rest of the step does no counted "
-            f"FLOPs: the optimizer {shares['optimizer']:.0%}, everything else (norms, GELU, residual adds, the "
-            f"loss, the embedding) {rest:.0%}.")
+    return (f"- **What bounds MFU at TP=1** (specc's step under torch.profiler, repeated on its own rather than "
+            f"alternating with the other runners as in the table, against the GEMM peak read between the profiled "
+            f"steps, {t['peak_gflops']:.1f} GFLOP/s): matrix multiplies take {shares['gemm']:.0%} of the step and run "
+            f"at {gemm_rate:.0%} of the peak; attention's fused kernels take {shares['attention']:.0%} and run at "
+            f"{attention_rate:.0%} of it; so MFU is {util:.0%}. The rest of the step does no counted FLOPs: the "
+            f"optimizer {shares['optimizer']:.0%}, everything else (norms, GELU, residual adds, the loss, the "
+            f"embedding) {rest:.0%}.")
 
 
 # -- one setting on its ranks ----------------------------------------------------------------------
