@@ -74,11 +74,14 @@ class Pipeline:
         self.stages = [pl.PipelineStage(_StageModule(model, row["stage"]), row["stage"], num_stages, device,
                                         group=pg.pp.group) for row in rows]
         self.has_last = any(row["post_process"] for row in rows)
+        self.loss_scale = 1.0  # fp16: the scale of the step being run (step(loss_scale=...))
         n = n_microbatches
 
         def loss_fn(per_token_loss, target):  # the mean over a micro-batch's tokens, 1/m of the step
             del target
-            return per_token_loss.float().mean() / n
+            # backward starts from the scaled loss, as the PP = 1 loop's (loss * scale / n).backward():
+            # the optimizer divides the gradients by the same scale
+            return per_token_loss.float().mean() * (self.loss_scale / n)
 
         multi = len(rows) > 1
         if self.schedule_name in ("1f1b", "gpipe") and multi:
@@ -105,19 +108,25 @@ class Pipeline:
             raise ValueError(f"expected {self.n} micro-batches, got {len(micro_batches)}")
         return {name: torch.cat([mb[i] for mb in micro_batches]) for i, name in enumerate(self.input_names)}
 
-    def step(self, micro_batches: list, *, train: bool = True) -> torch.Tensor:
+    def step(self, micro_batches: list, *, train: bool = True, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward (and with `train`, backward) of the micro-batches; the mean loss, a 1-element
-        fp32 tensor on every pipeline rank. Gradients accumulate; finalize them afterwards."""
+        fp32 tensor on every pipeline rank. Gradients accumulate, multiplied by `loss_scale`
+        (fp16's: the optimizer unscales); finalize them afterwards. The loss returned is unscaled."""
         kwargs = self._kwargs(micro_batches)
         target = kwargs[self.input_names[-1]]
         losses: list = []
-        if train:
-            self.schedule.step(target=target, losses=losses, **kwargs)
-        else:
-            self.schedule.eval(target=target, losses=losses, **kwargs)
+        self.loss_scale = float(loss_scale)
+        try:
+            if train:
+                self.schedule.step(target=target, losses=losses, **kwargs)
+            else:
+                self.schedule.eval(target=target, losses=losses, **kwargs)
+        finally:
+            self.loss_scale = 1.0
         total = torch.zeros(1, dtype=torch.float32)
         if self.has_last:
-            total += torch.stack([x.detach().float() for x in losses]).sum().reshape(1).cpu()
+            # in float64, so that dividing by the scale (a power of two) gives back the loss exactly
+            total += (torch.stack([x.detach().double() for x in losses]).sum() / loss_scale).float().reshape(1).cpu()
         comm.all_reduce(total, self.pg.pp)  # only the last stage holds the loss: the others add zero
         return total
 

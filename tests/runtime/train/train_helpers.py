@@ -29,9 +29,10 @@ def make_corpus(directory: str) -> str:
     return out
 
 
-def tiny_config(world: int, data: str, *, tp=1, sp=False, cp=1, mbs=2, gbs=8, dist_opt=False, clip=1.0, lr=3e-3,
+def tiny_config(world: int, data: str, *, tp=1, sp=False, cp=1, pp=1, ep=1, mbs=2, gbs=8, dist_opt=False, clip=1.0, lr=3e-3,
                 bucket=4_000_000, bf16=False, spec=GPT_TINY, **kw) -> TrainConfig:
-    cfg = TrainConfig(spec=spec, parallel=ParallelConfig(tp=tp, sp=sp, cp=cp), micro_batch_size=mbs,
+    cfg = TrainConfig(spec=spec, parallel=ParallelConfig(tp=tp, sp=sp, cp=cp, pp=pp, ep=ep),
+                      micro_batch_size=mbs,
                       global_batch_size=gbs, bf16=bf16,
                       optimizer=OptimizerConfig(lr=lr, clip_grad=clip, use_distributed_optimizer=dist_opt,
                                                 bucket_size=bucket), **kw)
@@ -76,7 +77,7 @@ def run_steps(cfg: TrainConfig, pg: ProcessGroups, steps: int, lrs=None, trace: 
 
 
 def full_weights(model, pg: ProcessGroups) -> dict:
-    return {name: gather_full(p, p, pg.tp).float() for name, p in model.named_parameters()}
+    return {name: gather_full(p, p, pg.tp, pg.ep).float() for name, p in model.named_parameters()}
 
 
 @torch.no_grad()
