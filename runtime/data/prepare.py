@@ -63,6 +63,7 @@ def expand_inputs(patterns: list) -> list:
 
 
 def _documents(path: str, json_key: str):
+    """(where, text) of each document of a file: `where` names it in errors (PATH, or PATH:LINE)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -73,7 +74,7 @@ def _documents(path: str, json_key: str):
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
     if not path.endswith((".jsonl", ".json")):
-        yield text
+        yield path, text
         return
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -84,7 +85,7 @@ def _documents(path: str, json_key: str):
             raise DataError(f"{path}:{number}: not a JSON object per line ({e.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
             raise DataError(f"{path}:{number}: no string field {json_key!r} (set it with --json-keys)")
-        yield record[json_key]
+        yield f"{path}:{number}", record[json_key]
 
 
 def prepare(files: list, tokenizer, output_prefix: str, token_dtype: str = "auto", json_key: str = "text",
@@ -128,9 +129,9 @@ def prepare(files: list, tokenizer, output_prefix: str, token_dtype: str = "auto
         try:
             for path in files:
                 n_file = 0
-                for text in _documents(path, json_key):
-                    ids = np.frombuffer(tok.encode(text), dtype=np.uint8) if as_bytes \
-                        else np.asarray(tok.encode(text), dtype=np.int64)
+                for where, text in _documents(path, json_key):
+                    ids = _token_ids(tok, text, as_bytes, where)
+                    _check_ids(ids, tok, dtype, where)
                     if eod is not None:
                         ids = np.append(ids.astype(np.int64), eod)
                     if len(ids) == 0:
@@ -169,6 +170,42 @@ def prepare(files: list, tokenizer, output_prefix: str, token_dtype: str = "auto
         log(f"wrote {output_prefix}.bin/.idx: {meta['num_documents']} documents, {num_tokens} tokens ({dtype.name}, "
             f"vocabulary {tok.vocab_size}{eod_note}) from {len(files)} files in {time.monotonic() - start:.1f}s")
     return meta
+
+
+def _token_ids(tok, text: str, as_bytes: bool, where: str) -> np.ndarray:
+    """The ids of one document, as an array (int64, or uint8 for the byte tokenizer)."""
+    try:
+        ids = tok.encode(text)
+    except DataError as e:  # the tokenizer's own complaint (NullTokenizer: not ids), located here
+        raise DataError(f"{where}: {e}") from None
+    if as_bytes:
+        return np.frombuffer(ids, dtype=np.uint8)
+    try:
+        return np.asarray(ids, dtype=np.int64)
+    except OverflowError:  # an id beyond 64 bits: found one by one, on this error path only
+        bad = next(i for i in ids if not -2 ** 63 <= int(i) < 2 ** 63)
+        digits = str(bad)
+        shown = digits if len(digits) <= 30 else f"{digits[:20]}... ({len(digits)} digits)"
+        raise DataError(f"{where}: token id {shown} does not fit in 64 bits, let alone in a token file") from None
+
+
+def _check_ids(ids: np.ndarray, tok, dtype: np.dtype, where: str) -> None:
+    """Every id is in the tokenizer's vocabulary and fits `dtype`: one out of range would be written
+    wrapped around (70000 as uint16 is 4464), a different token inside the vocabulary."""
+    if ids.size == 0:
+        return
+    limit = min(int(tok.vocab_size), dtype_capacity(dtype))
+    if int(ids.min()) >= 0 and int(ids.max()) < limit:
+        return
+    bad = int(ids[(ids < 0) | (ids >= limit)][0])
+    name = getattr(tok, "name", "") or "the tokenizer"
+    capacity = dtype_capacity(dtype)
+    fits = 0 <= bad < capacity
+    raise DataError(f"{where}: token id {bad} is outside {name}'s vocabulary (ids 0..{int(tok.vocab_size) - 1})"
+                    + (f", dataset dtype {dtype.name}" if fits else
+                       f" and does not fit the dataset's dtype {dtype.name} (0..{capacity - 1}): it would be "
+                       f"written as {int(np.array(bad).astype(dtype))}")
+                    + "; nothing written")
 
 
 def _remove(paths) -> None:

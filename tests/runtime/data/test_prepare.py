@@ -108,3 +108,53 @@ def test_the_cli_prepares_with_megatrons_flags_and_refuses_with_one_line(tmp_pat
         err = capsys.readouterr().err
         assert err.startswith(message) and len(err.splitlines()) == 1, err
     assert not any(n.startswith("x") for n in os.listdir(tmp_path))
+
+
+def test_ids_outside_the_vocabulary_or_the_dtype_are_refused_not_wrapped(tmp_path):
+    # NullTokenizer --vocab-size 100: ids 0..100 (EOD 100), uint16. 70000 as uint16 is 4464, and
+    # -1 is 65535: written wrapped they would be other tokens; each is refused, located, nothing written.
+    from runtime.data.tokenizer import NullTokenizer
+
+    out = str(tmp_path / "out")
+
+    def error(name, data: bytes, tok, **kw):
+        src = _write(tmp_path / "in" / name, data)
+        before = sorted(os.listdir(tmp_path))
+        with pytest.raises(DataError) as e:
+            prepare([src], tok, out, **kw)
+        assert sorted(os.listdir(tmp_path)) == before
+        assert "\n" not in str(e.value)
+        return src, str(e.value)
+
+    src, message = error("a.txt", b"3 70000 7", NullTokenizer(100))
+    assert message == (f"{src}: token id 70000 is outside NullTokenizer's vocabulary (ids 0..100) and does not fit "
+                       "the dataset's dtype uint16 (0..65535): it would be written as 4464; nothing written")
+    src, message = error("b.jsonl", b'{"text": "1 2"}\n{"text": "5 -1"}\n', NullTokenizer(100))
+    assert message == (f"{src}:2: token id -1 is outside NullTokenizer's vocabulary (ids 0..100) and does not fit "
+                       "the dataset's dtype uint16 (0..65535): it would be written as 65535; nothing written")
+    # fits the dtype (int32 asked for) but not the vocabulary: still a different model input
+    src, message = error("c.txt", b"101", NullTokenizer(100), token_dtype="int32")
+    assert message == f"{src}: token id 101 is outside NullTokenizer's vocabulary (ids 0..100), dataset dtype int32; " \
+                      "nothing written"
+    src, message = error("d.txt", b"1 " + b"9" * 40, NullTokenizer(100))
+    assert message == f"{src}: token id 99999999999999999999... (40 digits) does not fit in 64 bits, let alone in a " \
+                      "token file"
+    src, message = error("e.txt", b"1 x", NullTokenizer(100))
+    assert message == f"{src}: NullTokenizer reads space-separated token ids; the text holds something else"
+
+    class Lying:  # a tokenizer that returns ids beyond the vocabulary it claims
+        name, vocab_size, eod = "Lying", 300, None
+
+        def encode(self, text):
+            return [1, 299, 300]
+
+        def describe(self):
+            return {"type": "test"}
+
+    src, message = error("f.txt", b"x", Lying())
+    assert message == f"{src}: token id 300 is outside Lying's vocabulary (ids 0..299), dataset dtype uint16; " \
+                      "nothing written"
+    # the edges are in range
+    ok = _write(tmp_path / "ok.txt", b"0 99 100")
+    prepare([ok], NullTokenizer(100), out)
+    assert open_dataset(out).document(0).tolist() == [0, 99, 100, 100]
