@@ -78,7 +78,11 @@ def parse_blend(data_path) -> list:
         if not np.isfinite(w) or w < 0:
             raise DataError(f"--data-path: blend weight {raw} must be a finite number at least 0")
         blend.append((w, prefix))
-    if sum(w for w, _ in blend) <= 0:
+    total = sum(w for w, _ in blend)
+    if not np.isfinite(total):  # each is finite, the sum is not: normalized they would all be 0 (or nan)
+        raise DataError(f"--data-path: the blend weights {', '.join(items[0::2][:4])}{', ...' if len(blend) > 4 else ''} "
+                        "add up to more than the largest float (inf); scale them down, only their ratios count")
+    if total <= 0:
         raise DataError("--data-path: the blend weights add up to 0")
     return blend
 
@@ -173,6 +177,8 @@ class BlendedDataset:
 
     def __init__(self, datasets: list, weights: list, split: str):
         total = float(sum(weights))
+        if not np.isfinite(total) or any(not np.isfinite(w) or w < 0 for w in weights):  # parse_blend refuses them
+            raise DataError(f"blend weights {list(weights)}: each must be finite and at least 0, and their sum finite")
         shares = [w / total for w in weights] if total > 0 else [1.0 / len(weights)] * len(weights)
         self.datasets, self.weights, self.split = datasets, shares, split
         self.seq_length = datasets[0].seq_length

@@ -407,6 +407,9 @@ def split_weights(text: str) -> tuple[float, float, float]:
         raise ValueError("weights must be numbers, e.g. 969,30,1") from None
     if any(v < 0 or v != v or v == float("inf") for v in values) or sum(values) <= 0 or values[0] <= 0:
         raise ValueError("weights must be finite, non-negative, and the train weight positive")
+    if sum(values) == float("inf"):  # each finite, the sum not: normalized they would all be 0
+        raise ValueError("the weights add up to more than the largest float (inf); scale them down, only their "
+                         "ratios count")
     values += [0.0] * (3 - len(values))
     total = sum(values)
     return tuple(v / total for v in values)

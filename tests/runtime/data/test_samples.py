@@ -103,6 +103,35 @@ def test_data_path_lists_as_megatron_reads_them():
             parse_blend(bad)
 
 
+def test_blend_and_split_weights_whose_sum_overflows_are_refused_not_made_equal(tmp_path, numbered):
+    # 1.5e308 + 0.5e308 is inf: normalized, both weights became 0 (or nan) and the blend drew 50/50
+    with pytest.raises(DataError) as e:
+        parse_blend(["1.5e308", "a", "0.5e308", "b"])
+    assert str(e.value) == ("--data-path: the blend weights 1.5e308, 0.5e308 add up to more than the largest float "
+                            "(inf); scale them down, only their ratios count")
+    with pytest.raises(DataError, match=r"weights 1e308, 1e308, 1e308, 1e308, \.\.\. add up to more"):
+        parse_blend([x for i in range(5) for x in ("1e308", f"p{i}")])
+    for bad, message in [(["inf", "a", "1", "b"], "blend weight inf must be a finite number at least 0"),
+                         (["nan", "a", "1", "b"], "blend weight nan must be a finite number at least 0"),
+                         (["1", "a", "-0.5", "b"], "blend weight -0.5 must be a finite number at least 0"),
+                         (["0", "a", "0.0", "b"], "the blend weights add up to 0")]:
+        with pytest.raises(DataError, match=message):
+            parse_blend(bad)
+    assert parse_blend(["1.5e307", "a", "0.5e307", "b"]) == [(1.5e307, "a"), (0.5e307, "b")]  # large is fine
+    other = _corpus(tmp_path / "o", [50] * 40, base=10_000_000)
+    big = build_datasets(["1.5e307", numbered, "0.5e307", other], 16, 1, (1.0, 0.0, 0.0))["train"]
+    assert big.weights == pytest.approx([0.75, 0.25])
+    parts = big.datasets
+    with pytest.raises(DataError, match="their sum finite"):  # the class itself, given them directly
+        BlendedDataset(parts, [1.5e308, 0.5e308], "train")
+    # --split: the same overflow made every split's share 0
+    from runtime.train.config import split_weights
+
+    with pytest.raises(ValueError, match=r"^the weights add up to more than the largest float \(inf\)"):
+        split_weights("1.5e308,0.5e308,1")
+    assert split_weights("1.5e307,0.5e307") == pytest.approx((0.75, 0.25, 0.0))
+
+
 def test_mock_data_comes_from_the_seed_alone():
     mock = build_datasets(None, 32, 5, (0.9, 0.1, 0.0), mock=True, vocab_size=300)
     again = build_datasets(None, 32, 5, (0.9, 0.1, 0.0), mock=True, vocab_size=300)["train"]
