@@ -17,11 +17,15 @@ does, so gradients and the reported loss are the same numbers.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import torch
 from torch import nn
 
 from . import comm
 from .parallel_state import ProcessGroups
+from .random import RNGTracker
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble")
 
@@ -35,6 +39,43 @@ class _StageModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.model(*args, stage=self.index, **kwargs)
+
+
+@contextlib.contextmanager
+def _rng_untouched(device: torch.device, rng_tracker: RNGTracker | None):
+    """Run the block without consuming randomness: torch's generators and the tracker's streams
+    are put back as they were afterwards."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        if rng_tracker is None:
+            yield
+        else:
+            with rng_tracker.replaying(rng_tracker.snapshot()):
+                yield
+
+
+def _stage_class(pl):
+    """torch's PipelineStage whose shape inference draws no random numbers.
+
+    On its first step a stage infers the shapes it sends by running one forward on real tensors:
+    with dropout that consumes the RNG streams once, in the first step of a run. A run resumed
+    from a checkpoint would consume them in its first step (after the states were restored), where
+    the run it continues did not, and its masks (so its losses) would differ from there on."""
+    if not hasattr(pl.PipelineStage, "_forward_metadata_inference"):
+        warnings.warn("this torch's PipelineStage infers shapes elsewhere: with dropout, a resumed pipeline run "
+                      "may draw other masks than the run it continues", RuntimeWarning, stacklevel=3)
+        return pl.PipelineStage
+
+    class Stage(pl.PipelineStage):
+        def __init__(self, *args, rng_tracker: RNGTracker | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.rng_tracker = rng_tracker
+
+        def _forward_metadata_inference(self, *args, **kwargs):
+            with _rng_untouched(self.device, self.rng_tracker):
+                return super()._forward_metadata_inference(*args, **kwargs)
+
+    return Stage
 
 
 def stages_of(model: nn.Module) -> list:
@@ -53,12 +94,14 @@ class Pipeline:
     """The schedule over this rank's stages of `model` (a compiled module at PP > 1).
 
     input_names: the model's inputs, in the spec's order (passed by name to every stage).
+    rng_tracker: the model's RNG tracker, left untouched by the stages' shape inference.
     `step(inputs, micro_batches)` runs forward and backward of one global batch on this DP rank
     and returns the mean loss (on every pipeline rank: the last stage's, broadcast).
     """
 
     def __init__(self, model: nn.Module, pg: ProcessGroups, n_microbatches: int, input_names, *,
-                 schedule: str | None = None, device: torch.device | None = None):
+                 schedule: str | None = None, device: torch.device | None = None,
+                 rng_tracker: RNGTracker | None = None):
         from torch.distributed import pipelining as pl
 
         if pg.pp.size < 2:
@@ -71,8 +114,10 @@ class Pipeline:
             raise ValueError(f"unknown pipeline schedule {self.schedule_name!r}; known: {', '.join(SCHEDULES)}")
         num_stages = pg.pp.size * len(rows)
         device = device or torch.device("cpu")
-        self.stages = [pl.PipelineStage(_StageModule(model, row["stage"]), row["stage"], num_stages, device,
-                                        group=pg.pp.group) for row in rows]
+        stage_class = _stage_class(pl)
+        extra = {"rng_tracker": rng_tracker} if stage_class is not pl.PipelineStage else {}
+        self.stages = [stage_class(_StageModule(model, row["stage"]), row["stage"], num_stages, device,
+                                   group=pg.pp.group, **extra) for row in rows]
         self.has_last = any(row["post_process"] for row in rows)
         self.loss_scale = 1.0  # fp16: the scale of the step being run (step(loss_scale=...))
         n = n_microbatches

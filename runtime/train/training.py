@@ -103,7 +103,7 @@ def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch
         from ..pipeline import Pipeline
 
         pipeline = Pipeline(model, pg, cfg.num_micro_batches, [i.name for i in spec.inputs],
-                            schedule=cfg.parallel.pp_schedule, device=device)
+                            schedule=cfg.parallel.pp_schedule, device=device, rng_tracker=rng)
     return Setup(model, ddp, optimizer, schedule, spec, rng, device, forward_step_for(spec), pipeline)
 
 
