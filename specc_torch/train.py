@@ -413,6 +413,9 @@ def launch(args) -> int:
         if not has_data(cfg):
             cfg.data.data_path = default_data(cfg.logging.run_dir, log=lambda m: print(m, file=sys.stderr))
             check(cfg, world)
+        fit_errors = fit_rules(cfg, args.nproc_per_node)
+        if fit_errors:
+            raise ConfigError(fit_errors)
     except (ConfigError, SpecError, DataError) as e:
         for line in _error_lines(e):
             print(line, file=sys.stderr)
@@ -445,6 +448,18 @@ def launch(args) -> int:
         return subprocess.call(cmd, env=env)
     except KeyboardInterrupt:
         return 130
+
+
+def fit_rules(cfg: TrainConfig, ranks_per_node: int) -> list:
+    """The plan's memory per rank against this node's (specc_torch.memory_check): one line when
+    it cannot fit, before any rank allocates anything."""
+    import torch
+
+    from specc_torch.memory_check import memory_rules
+
+    _, _, plan = compile_run(cfg)
+    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    return memory_rules(plan.totals, cfg, ranks_per_node, device)
 
 
 def _launch_rules(args) -> list:
