@@ -28,6 +28,13 @@ issue never waits, does not require).
 
 Each rank also writes what it issued (kind, dtype, element count, reduce op) beside its slot; a
 rank that finds another rank issued something else raises, rather than read mismatched bytes.
+
+A rank that dies mid-run (killed, out of memory) never raises its counter again: each rank writes
+its process id and start time beside its counter, and a rank kept waiting checks, every
+_LIVENESS_S, that the late ranks' processes still exist (and are the same processes: pids are
+reused). A dead peer is an error within a fraction of a second, not after the timeout. Only peers
+this rank could see when the segments were set up are checked (ranks in another pid namespace are
+invisible: for them the timeout stays the bound).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ SHM_DIR = "/dev/shm"
 SLOT_BYTES = 8 << 20  # per rank and set: 2 * group size * 8 MiB of address space, touched as used
 _LINE = 64  # bytes: one arrival counter per cache line, so ranks do not share the line they write
 _SPIN_S = 0.01  # then wait in 100 us sleeps: an oversubscribed host needs the core for the peer
+_LIVENESS_S = 0.05  # while waiting past the spin: how often the late ranks' processes are looked at
 _KINDS = ("all_reduce:sum", "all_reduce:max", "all_reduce:min", "all_gather", "reduce_scatter")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool)
@@ -109,6 +117,9 @@ class SharedMemoryTransport:
         self._segment = torch.from_file(path, shared=True, size=segment_bytes(size, slot_bytes), dtype=torch.uint8)
         lines = self._segment[:head].view(torch.int64)[: 3 * size * _LINE // 8].view(3, size, _LINE // 8)
         self._arrived = lines[0, :, 0]
+        self._identity = lines[0, :, 1:3]  # [rank]: pid, start time (clock ticks after boot)
+        self._identity[rank] = torch.tensor(_process_identity(os.getpid()) or (0, 0), dtype=torch.int64)
+        self._visible = [j == rank for j in range(size)]  # peers whose process this rank can see
         self._issued = lines[1:, :, :4]  # [set, rank]: kind, dtype, elements, piece start
         self._slots = self._segment[head:].view(2, size, slot_bytes)
         self._seq = int(self._arrived[rank])  # 0 on a fresh segment
@@ -224,6 +235,22 @@ class SharedMemoryTransport:
         raise RuntimeError(f"shared-memory collective {seq + 1} on group {self.name!r}: the ranks issued different "
                            f"collectives ({ranks}); every rank of a group must issue the same ones in the same order")
 
+    def see_peers(self) -> None:
+        """Note which peers' processes this rank can see (call once every rank has mapped the
+        segment): only those are checked for liveness while waiting."""
+        for j, (pid, start) in enumerate(self._identity.tolist()):
+            if j != self.rank and pid > 0:
+                self._visible[j] = _process_identity(pid) == (pid, start)
+
+    def _dead(self, late: list) -> list:
+        """The late ranks whose process is gone (or was replaced by another with its pid)."""
+        out = []
+        for j in late:
+            pid, start = self._identity[j].tolist()
+            if self._visible[j] and _process_identity(pid) != (pid, start):
+                out.append((j, pid))
+        return out
+
     def close(self) -> None:
         """Unmap the segment (its memory goes once every rank has closed it); later collectives raise."""
         with self._lock:
@@ -235,16 +262,39 @@ class SharedMemoryTransport:
         if int(self._arrived.min()) >= count:
             return
         start = time.monotonic()
+        checked = start
         while int(self._arrived.min()) < count:
-            waited = time.monotonic() - start
+            now = time.monotonic()
+            waited = now - start
             if waited < _SPIN_S:
                 os.sched_yield()
-            elif waited < self.timeout_s:
-                time.sleep(1e-4)
-            else:
-                late = [j for j in range(self.size) if int(self._arrived[j]) < count]
+                continue
+            late = [j for j in range(self.size) if int(self._arrived[j]) < count]
+            if waited >= self.timeout_s:
                 raise RuntimeError(f"shared-memory collective on group {self.name!r}: rank(s) {late} of the group "
                                    f"did not reach operation {count} within {self.timeout_s:g} s")
+            if now - checked >= _LIVENESS_S:
+                checked = now
+                dead = self._dead(late)
+                if dead and int(self._arrived.min()) < count:  # not arrived in the meantime
+                    who = ", ".join(f"rank {j} (pid {pid})" for j, pid in dead)
+                    raise RuntimeError(f"shared-memory collective on group {self.name!r}: {who} of the group exited "
+                                       f"before reaching operation {count}")
+            time.sleep(1e-4)
+
+
+def _process_identity(pid: int) -> tuple[int, int] | None:
+    """(pid, start time) of a live process, from /proc; None when there is no such process, or it
+    has exited and waits to be reaped (a zombie), or /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": the comm may hold spaces
+    if len(fields) < 20 or fields[0] in ("Z", "X", "x"):
+        return None
+    return pid, int(fields[19])  # field 22 of proc(5): start time, after pid and comm
 
 
 # -- set up by ProcessGroups.initialize --------------------------------------------------------------
@@ -314,6 +364,8 @@ def open_transports(groups: dict, mode: str, slot_bytes: int = SLOT_BYTES) -> tu
         except (OSError, RuntimeError) as e:
             error = f"mapping the segment of group {name!r}: {e}"
         error = _agree(error)  # also: every member has mapped it, so the names can go
+    for transport in transports.values():  # every member has written its process id by now
+        transport.see_peers()
     for path in created:  # the memory lives while mapped
         os.unlink(path)
     dist.barrier()  # no rank returns while a name is left in /dev/shm
