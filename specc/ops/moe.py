@@ -117,6 +117,23 @@ class MoE(OpKind):
             bwd += [("all_to_all", moved), ("all_to_all", moved)]
         return fwd, bwd
 
+    def flops(self, node, local_in, local_out, mesh):
+        """The expert MLPs' GEMMs over the rows this rank computes under uniform routing (its own
+        tokens' top-k rows: what it dispatches, on average, is what it receives), each expert's
+        width over TP, and the shared experts' over every token: Megatron's count
+        (num_floating_point_operations), which leaves out the router's small GEMM (num_experts
+        outputs per token) as well. Backward: the input and the weight gradients, twice forward."""
+        a = node.attrs
+        x = local_in[0]
+        tokens, h = numel(x[:-1]), x[-1]
+        tp = a.get("tp_size", 1)
+        gated = a["activation"] == "swiglu"
+        f = a["ffn_hidden_size"] // tp
+        forward = 2 * self._uniform_rows(node, tokens) * h * ((2 * f if gated else f) + f)
+        s = a["shared_expert_size"] // tp
+        forward += 2 * tokens * h * ((2 * s if gated else s) + s)
+        return forward, 2 * forward
+
     def saved_bytes(self, node, local_in, local_out, elt):
         """The input, the router's fp32 logits and scores, and per dispatched row (uniform
         routing): the expert input, fc1's output and the activation's output."""

@@ -139,3 +139,31 @@ def test_ring_pairs_match_a_brute_force_count(n):
                     halves += kept * (1 if causal and m == k else 2)
             assert cp_pairs(2 * c, n, "p2p", causal, window) == halves * c * c // (2 * n), (n, causal, window)
             assert cp_pairs(2 * c, n, "all_gather", causal, window) == 2 * c * 2 * c * n
+
+
+def megatron_flops(c: dict, b: int) -> int:
+    """Megatron-LM's num_floating_point_operations (megatron/training/training.py) for a decoder
+    of c's sizes, causal attention (s / 2h), MoE or dense, gated or not: 12 b s l h^2 times the
+    attention, MLP and logit terms, exactly, in integers."""
+    h, layers, s, v = c["hidden_size"], c["num_layers"], c["seq_length"], c["vocab_size"]
+    heads = c["num_attention_heads"]
+    groups = c.get("num_query_groups", heads)
+    q = heads * c.get("head_dim", h // heads)
+    gated = Fraction(3, 2) if c.get("swiglu", True) else 1
+    routed = c.get("moe_router_topk", 1)
+    ffn = c.get("moe_ffn_hidden_size", c.get("ffn_hidden_size"))
+    shared = c.get("moe_shared_expert_intermediate_size") or 0
+    attention = (1 + Fraction(groups, heads) + Fraction(s, 2 * h)) * Fraction(q, h)
+    mlp = Fraction(ffn, h) * routed * gated + Fraction(shared, h) * gated
+    total = 12 * b * s * layers * h * h * (attention + mlp + Fraction(v, 2 * layers * h))
+    assert total.denominator == 1
+    return int(total)
+
+
+@pytest.mark.parametrize("name,ep", [("mixtral", 1), ("mixtral", 8), ("llama3", 1)])
+def test_moe_and_gqa_swiglu_flops_equal_megatrons_formula(name, ep):
+    """The MoE op counts its experts' GEMMs (each token's top-k rows and the shared experts; per
+    rank its own tokens' rows under EP, as Megatron counts per GPU): a Mixtral step's FLOPs are
+    Megatron's to the FLOP, as a dense GQA/SwiGLU model's are (the MoE op counted none before)."""
+    spec, graph = load_and_compile(os.path.join(ROOT, "specs", f"{name}.yaml"), Settings(micro_batch_size=1, ep=ep))
+    assert build_plan(graph).totals["flops_per_step"] == megatron_flops(spec.config, 1)
