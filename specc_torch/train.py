@@ -610,10 +610,12 @@ def run(cfg: TrainConfig, stream=None) -> int:
             reporter = Reporter(log.run_dir, cfg.train_iters, log.log_interval, progress=log.progress, stream=stream,
                                 append=append, tensorboard_dir=log.tensorboard_dir, peak=peak,
                                 wandb_project=log.wandb_project, wandb_exp_name=log.wandb_exp_name)
-        flops_per_iteration = plan.totals["flops_per_step"] * cfg.num_micro_batches
+        flops_per_iteration = rank_flops(plan.totals, pg.pp.rank) * cfg.num_micro_batches
+        stages = f", pipeline rank {pg.pp.rank}'s stages" if pg.pp.size > 1 else ""
         reporter.info(f"peak {peak.tflops:.3f} TFLOP/s per rank, {peak.source}; a step's FLOPs per rank "
-                      f"{flops_per_iteration:,} (the compiled plan's matrix multiplies, {cfg.num_micro_batches} "
-                      f"micro-batch{'es' if cfg.num_micro_batches > 1 else ''}); MFU = achieved TFLOP/s / peak")
+                      f"{flops_per_iteration:,} (the compiled plan's matrix multiplies{stages}, "
+                      f"{cfg.num_micro_batches} micro-batch{'es' if cfg.num_micro_batches > 1 else ''}); "
+                      f"MFU = achieved TFLOP/s / peak")
         reporter.start(cfg.to_dict(), setup.spec.config)
         _report_setup(reporter, cfg, setup, pg, datasets)
         if device.type == "cpu":
@@ -738,6 +740,15 @@ def _fp16_text(cfg: TrainConfig) -> str:
         return f"fp16 autocast, loss scale {ls.loss_scale:g}, "
     return (f"fp16 autocast, dynamic loss scale from {ls.initial_loss_scale:g} (min {ls.min_loss_scale:g}, "
             f"window {ls.loss_scale_window}, hysteresis {ls.hysteresis}), ")
+
+
+def rank_flops(totals: dict, pp_rank: int = 0) -> int:
+    """One micro-batch's forward + backward FLOPs on a rank (the plan's): at PP its own stages'
+    (each pipeline rank runs only its layers), else the whole model's. An expert-parallel rank's
+    experts compute its own tokens' rows on average: the plan counts those already."""
+    if "pipeline" in totals:
+        return sum(st["flops"] for st in totals["pipeline"]["stages"] if st["rank"] == pp_rank)
+    return totals["flops_per_step"]
 
 
 def memory_report(totals: dict, measured: dict, cfg: TrainConfig, pg, device) -> str:
