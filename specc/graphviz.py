@@ -26,14 +26,15 @@ def to_dot(graph) -> str:
         lines.append(f"  {_q('input:' + vid)} [shape=oval, label={_q(vid)}];")
     by_scope: dict = {}
     order: list = []  # scopes, each after its ancestors, in the order their first op appears
+    known: set = set()  # the same scopes: a set, so that thousands of layers stay linear
     for op in graph.iter_ops():
         by_scope.setdefault(op.scope, []).append(op)
         parts = op.scope.split(".") if op.scope else []
         for i in range(1, len(parts) + 1):
             prefix = ".".join(parts[:i])
-            if prefix not in order and (prefix in graph.scopes or prefix == op.scope):
+            if prefix not in known and (prefix in graph.scopes or prefix == op.scope):
                 order.append(prefix)
-    known = set(order)
+                known.add(prefix)
 
     def parent_of(scope: str) -> str:
         parts = scope.split(".")
