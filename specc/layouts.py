@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# bytes per element of the dtypes a value or weight may have
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int64": 8, "int32": 4, "float32": 4}
+
 I, R, SS, SH, P = "I", "R", "S(s)", "S(h)", "P"  # noqa: E741 (the design's names)
 ALL = (I, R, SS, SH, P)
 

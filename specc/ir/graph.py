@@ -12,9 +12,8 @@ import contextlib
 from dataclasses import dataclass, field
 
 from ..errors import Loc
-from ..layouts import local_shape_dims
+from ..layouts import DTYPE_BYTES, local_shape_dims
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int64": 8, "int32": 4, "float32": 4}
 OUTPUT = "<output>"  # the pseudo-user of a value the model returns
 
 

@@ -4,6 +4,7 @@ parallelism: S(h) on q, k, v means each rank holds whole heads."""
 from __future__ import annotations
 
 from ..errors import SpecError
+from ..layouts import DTYPE_BYTES
 from .base import Attr, HFKnob, LayoutRule, OpKind, need_divisible, numel
 
 
@@ -246,13 +247,18 @@ class CoreAttention(OpKind):
         # ids are read whole (I): the queries' at the rank's positions, the keys' at theirs
         return LayoutRule(allowed=("S(s)",), joined_inputs=(0, 1, 2), fixed_inputs=(None, None, None, "I"))
 
-    def cp_comm_type(self, attrs, setting: str = "auto", seq_len: int | None = None) -> tuple:
+    def cp_comm_type(self, attrs, setting: str = "auto", seq_len: int | None = None, *, cp: int = 1,
+                     batch: int = 1, elt: int = 2, documents: bool = False) -> tuple:
         """(p2p | all_gather, why): the spec's pin, then the flag's, then the cost model. Both move
         the same K/V bytes; the ring overlaps them with the block computations and never holds
         the full K/V, so it wins unless K/V are small next to Q (grouped-query attention), where
         one all-gather is cheaper than N-1 latency-bound steps and the full K/V is little memory.
         A sliding window shorter than the sequence tips it back to the ring: the ring skips the
-        blocks outside the window, the all-gather computes every pair."""
+        blocks outside the window, the all-gather computes every pair. So does a long sequence:
+        the all-gather keeps a mask of the rank's queries against every key for backward
+        ([S/N, S] bool, per sample with document ids), which grows with S^2 while the K/V it
+        gathers grow with S; past the point where the mask outweighs the gathered K/V (at 128K
+        tokens over 8 ranks, 2 GiB a layer against 512 MiB) the ring is chosen."""
         pinned = attrs.get("cp_comm_type", "auto")
         if pinned != "auto":
             return pinned, "pinned by the spec"
@@ -262,15 +268,25 @@ class CoreAttention(OpKind):
         if window and (seq_len is None or window < seq_len):
             return "p2p", (f"a sliding window of {window}: the ring skips the blocks outside it, the all-gather "
                            "would compute every pair")
-        if self.kv_heads(attrs) < attrs["num_heads"]:
-            return "all_gather", (f"grouped-query attention: K/V have {self.kv_heads(attrs)} of {attrs['num_heads']} "
+        kv_heads = self.kv_heads(attrs)
+        if kv_heads < attrs["num_heads"]:
+            if seq_len is not None and cp > 1 and (attrs["causal"] or documents):
+                mask = (seq_len // cp) * seq_len * (batch if documents else 1)
+                gathered = 2 * seq_len * batch * kv_heads * attrs["head_dim"] * elt
+                if mask > gathered:
+                    return "p2p", (f"grouped-query attention, but at {seq_len} tokens the all-gather's mask "
+                                   f"({_mib(mask)} a layer) would outweigh the K/V it gathers ({_mib(gathered)})")
+            return "all_gather", (f"grouped-query attention: K/V have {kv_heads} of {attrs['num_heads']} "
                                   "heads, one all-gather beats a ring of small steps")
         return "p2p", "ring attention overlaps the K/V exchange with the block computations"
 
     def choices(self, attrs, settings, shapes=()):
         if settings.cp == 1:
             return {}
-        kind, why = self.cp_comm_type(attrs, settings.cp_comm_type, shapes[0][0] if shapes else None)
+        q = shapes[0] if shapes else None
+        kind, why = self.cp_comm_type(attrs, settings.cp_comm_type, q[0] if q else None, cp=settings.cp,
+                                      batch=q[1] if q and len(q) > 1 else 1, elt=DTYPE_BYTES[settings.dtype],
+                                      documents=len(shapes) == 4)
         return {"cp_comm_type_resolved": kind, "cp_comm_reason": why, "cp_size": settings.cp}
 
     def collectives(self, node, shapes_on, elt, mesh):
@@ -427,3 +443,7 @@ def cp_pairs(s_local: int, n: int, comm_type: str, causal: bool, window) -> int:
                     if _chunk_pair_kind(q_start, k_start, c, causal, window) != "skip":
                         halves += 1 if causal and q_start == k_start else 2
     return halves * c * c // (2 * n)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2 ** 20:,.0f} MiB"

@@ -6,8 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..ir.graph import DTYPE_BYTES
-from ..layouts import COLLECTIVES, I, replicas, sh_local_size
+from ..layouts import COLLECTIVES, DTYPE_BYTES, I, replicas, sh_local_size
 from ..ops import OPS
 from ..ops.base import numel
 

@@ -72,6 +72,24 @@ def test_grouped_query_attention_all_gathers_kv_and_pins_win(compiled):
     assert (attn.attrs["cp_comm_type_resolved"], attn.attrs["cp_comm_reason"]) == ("p2p", "pinned by --cp-comm-type")
 
 
+@pytest.mark.parametrize("seq,cp,kind", [(8192, 8, "all_gather"), (32768, 8, "all_gather"),
+                                         (131072, 8, "p2p"), (131072, 32, "all_gather")])
+def test_long_sequences_leave_the_all_gather_for_the_ring(compiled, seq, cp, kind):
+    """The all-gather keeps a [S/N, S] mask a layer for backward: past the point where it outweighs
+    the K/V gathered (2 S b kv_heads head_dim bytes), the cost model picks the ring even for
+    grouped-query attention (at 128K over 8 ranks it kept 2 GiB a layer and was still chosen)."""
+    _, g = compiled("llama3.yaml", cp=cp, overrides={"seq_length": seq})
+    attn = next(op for op in g.iter_ops() if op.kind == "core_attention")
+    mask = (seq // cp) * seq
+    gathered = 2 * seq * 8 * 128 * 2  # Llama 3 8B: 8 K/V heads of 128, bf16, micro-batch 1
+    assert (mask > gathered) == (kind == "p2p")
+    assert attn.attrs["cp_comm_type_resolved"] == kind, attn.attrs["cp_comm_reason"]
+    if kind == "p2p":
+        assert attn.attrs["cp_comm_reason"] == (f"grouped-query attention, but at {seq} tokens the all-gather's mask "
+                                                f"({mask >> 20:,} MiB a layer) would outweigh the K/V it gathers "
+                                                f"({gathered >> 20:,} MiB)")
+
+
 def test_every_parameter_gets_a_cp_partial_gradient(compiled):
     _, g = compiled("llama-tiny.yaml", tp=2, sp=True, cp=2)
     totals = build_plan(g).totals
