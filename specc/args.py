@@ -18,6 +18,8 @@ MEGATRON_CONFIG_FLAGS = {  # Megatron's model-size flags, applied as config over
 
 _GIVEN, _PROG = "_specc_given", "_specc_prog"  # bookkeeping kept on the namespace while parsing
 SPEC_FLAG_OVERRIDES = "spec_flag_overrides"  # (config name, value text, flag) from the spec's megatron.flags
+COMMAND_FLAGS = "command_flags"  # the CommandLineFlags of the parser that made the namespace
+MAX_COMMANDS = 6  # commands named in one error
 
 
 class UsageError(SystemExit):
@@ -68,9 +70,92 @@ class _StoreFalseOnce(_Once, argparse._StoreFalseAction):
     pass
 
 
+class CommandLineFlags:
+    """The flags a command line reads itself: the option strings of its parsers and of their
+    subcommands, at any depth, read from argparse (nothing listed by hand). A spec's `megatron:`
+    block cannot map one (MegatronFlags.refuse), nor an abbreviation of one (argparse reads
+    `--micro` as `--micro-batch-size`): the command would read it and the spec never see it, so
+    `specc plan SPEC --lr 128` would plan another model than `specc train SPEC --lr 128` trains.
+    Only text is kept (command, group title, config name), never the parsers."""
+
+    def __init__(self, *parsers):
+        self.flags = {}  # flag -> [(command, its group's title or None, the config name it sets or None)]
+        config_flags = {flag: key for key, flag in MEGATRON_CONFIG_FLAGS.items()}
+        for parser in parsers:
+            self._walk(parser, config_flags, set())
+
+    def _walk(self, parser, config_flags: dict, seen: set) -> None:
+        if id(parser) in seen:  # a subcommand's aliases share its parser
+            return
+        seen.add(id(parser))
+        untitled = (parser._positionals, parser._optionals)  # argparse's own "options" groups
+        titles = {id(action): group.title for group in parser._action_groups if group not in untitled
+                  for action in group._group_actions}
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    self._walk(sub, config_flags, seen)
+            for flag in action.option_strings:
+                if flag.startswith("--"):
+                    uses = self.flags.setdefault(flag, [])
+                    if parser.prog not in (use[0] for use in uses):
+                        uses.append((parser.prog, titles.get(id(action)), config_flags.get(flag)))
+        own = {flag for action in parser._actions for flag in action.option_strings}
+        for other in getattr(parser, "shares_flags_with", ()):  # their flags this parser lacks (the rank's)
+            shared = CommandLineFlags()
+            shared._walk(other, config_flags, seen)
+            for flag, uses in shared.flags.items():
+                if flag not in own:
+                    known = self.flags.setdefault(flag, [])
+                    known += [use for use in uses if use[0] not in (k[0] for k in known)]
+
+    def __call__(self, flag: str):
+        """(what, hint) of a spec mapping `flag`; None for a flag no command reads itself."""
+        if flag in self.flags:
+            uses = self.flags[flag]
+            key = next((use[2] for use in uses if use[2]), None)
+            if key:  # a model flag, but the commands' own: it sets its config value on every command
+                return (f"{flag} is a flag of {_commands(uses)} itself, setting {key}; a spec's megatron: block "
+                        f"cannot map it again", f"drop it from the block: {flag} N sets {key} already")
+            return (f"{flag} is a flag of {_commands(uses)}{_title(uses)}, not a model setting; a spec's megatron: "
+                    f"block maps only model flags", f"drop it from the block: the command line reads {flag} itself")
+        longer = sorted(known for known in self.flags if known.startswith(flag))
+        if not longer:
+            return None
+        if len(longer) == 1:
+            uses = self.flags[longer[0]]
+            what = (f"{flag} abbreviates {longer[0]}, a flag of {_commands(uses)}{_title(uses)}: argparse reads it as "
+                    f"that flag")
+        else:
+            named = ", ".join(longer[:3]) + (f" and {len(longer) - 3} more" if len(longer) > 3 else "")
+            uses = list({use[0]: use for known in longer for use in self.flags[known]}.values())
+            what = f"{flag} abbreviates {named}, flags of {_commands(uses)}: argparse reads it as one of them"
+        return (what + ", not as a model setting; a spec's megatron: block maps only model flags",
+                "give the model flag its full Megatron name")
+
+
+def _commands(uses: list) -> str:
+    names, prefixed = [], False
+    for name in (use[0] for use in uses):  # specc validate, plan and train: "specc " once
+        if name.startswith("specc ") and prefixed:
+            name = name[len("specc "):]
+        prefixed = prefixed or name.startswith("specc ")
+        names.append(name)
+    if len(names) > MAX_COMMANDS:
+        return ", ".join(names[:MAX_COMMANDS]) + f" and {len(names) - MAX_COMMANDS} more"
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _title(uses: list) -> str:
+    title = next((use[1] for use in uses if use[1]), None)
+    return f" ({title.split(' (')[0]})" if title else ""
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with one-line errors (UsageError) and conflicting duplicate flags refused. Its
     subparsers are of this class too."""
+
+    shares_flags_with: tuple = ()  # parsers reading the same command line (train's and the rank's entry)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -90,7 +175,8 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         ns, extras = self.parse_known_args(args, namespace)
         prog = ns.__dict__.pop(_PROG, self.prog)
-        if extras:
+        setattr(ns, COMMAND_FLAGS, CommandLineFlags(self))
+        if extras or isinstance(getattr(ns, "spec", None), str):  # the spec's megatron: block, checked
             from .commands.megatron_flags import apply_spec_flags
 
             extras = apply_spec_flags(ns, extras, prog)

@@ -31,12 +31,14 @@ def compile_args(args):
 # -- commands ------------------------------------------------------------------------------------
 
 def cmd_validate(args) -> int:
+    from .commands.megatron_flags import check_spec_block
     from .summary import summarize
 
     failed = 0
     for path in args.specs:
         args.spec = path
         try:
+            check_spec_block(args)  # a megatron: block that maps a flag the command line reads itself
             _, graph = compile_args(args)
         except SpecError as e:
             print(e.format(), file=sys.stderr)

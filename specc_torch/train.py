@@ -486,9 +486,12 @@ def _launch_rules(args) -> list:
 
 def rank_main(argv=None) -> int:
     """`python -m specc_torch.train SPEC [flags]`, one process per rank (torchrun sets the env)."""
+    from specc.cli import build_parser
     from specc.commands.train_args import build_rank_parser
 
-    args = build_rank_parser().parse_args(argv)
+    parser = build_rank_parser()
+    parser.shares_flags_with = (build_parser(),)  # a spec maps no flag of specc's commands, here too
+    args = parser.parse_args(argv)
     if args.config_json is not None:
         cfg = config_from_dict(json.loads(args.config_json))
     else:

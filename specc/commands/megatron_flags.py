@@ -2,13 +2,15 @@
 them (specc/frontend/megatron.py, docs/spec-language.md): a flag in `megatron.flags` sets its
 config value; a flag in `megatron.structure` is accepted (it selects what the spec already is);
 any other Megatron model flag is a one-line error whose hint names the shipped specs that declare
-it. Nothing here knows an architecture: the specs say which flags they answer to."""
+it. Nothing here knows an architecture: the specs say which flags they answer to. A block that
+maps a flag the command line reads itself (specc/args.py CommandLineFlags) is the spec's located
+error, on every command, whatever flags are given."""
 
 from __future__ import annotations
 
 import os
 
-from ..args import SPEC_FLAG_OVERRIDES, UsageError
+from ..args import COMMAND_FLAGS, SPEC_FLAG_OVERRIDES, UsageError
 
 # Megatron's flags that select structure (no spec needs to declare them for the error to say so):
 # names of Megatron's command line, not of any spec.
@@ -23,7 +25,9 @@ MAX_NAMED = 4  # shipped specs named in one hint
 def apply_spec_flags(ns, extras: list, prog: str) -> list:
     """Consume the words of `extras` that are the spec's Megatron flags (their config overrides
     go to ns.spec_flag_overrides); raise UsageError for a Megatron model flag the spec does not
-    declare; return the words left (unrecognized)."""
+    declare, SpecError (located in the spec) for a block mapping a flag of the command line
+    (ns.command_flags); return the words left (unrecognized). With no words, only the block is
+    checked, and a spec that does not read is left to the compiler, which reports it."""
     from ..errors import SpecError
     from ..frontend.megatron import MegatronFlags, read_megatron, shipped
 
@@ -34,7 +38,10 @@ def apply_spec_flags(ns, extras: list, prog: str) -> list:
         try:
             declared = read_megatron(spec)
         except SpecError as e:  # the spec's own mistake, located in it
+            if not extras:
+                return extras
             raise SpecError(e.loc, e.what, e.hint or "fix the spec's megatron: block") from None
+        declared.refuse(getattr(ns, COMMAND_FLAGS, None))
     others = None  # the shipped specs' declarations, read only when needed
     overrides = getattr(ns, SPEC_FLAG_OVERRIDES, [])
     left = []
@@ -79,6 +86,12 @@ def apply_spec_flags(ns, extras: list, prog: str) -> list:
         raise _error(prog, flag, value or None, given, spec_name, declared, others)
     setattr(ns, SPEC_FLAG_OVERRIDES, overrides)
     return left
+
+
+def check_spec_block(ns) -> None:
+    """The megatron: block of the spec ns.spec against the flags of the command line that parsed
+    `ns` (SpecError, located): what parsing does for a SPEC argument, for each of validate's."""
+    apply_spec_flags(ns, [], "")
 
 
 def _takes_value(flag: str, others) -> bool | None:

@@ -8,7 +8,7 @@ Nothing here imports torch: specc_torch.train is imported when the command runs.
 
 from __future__ import annotations
 
-from .train_args import add_train_arguments
+from .train_args import add_train_arguments, build_rank_parser
 
 
 def cmd_train(args) -> int:
@@ -22,4 +22,5 @@ def add_parsers(sub) -> None:
                        description="Train SPEC. Megatron's flags keep their meaning; --nproc-per-node N launches "
                        "N ranks through torchrun (its multi-node flags pass through).")
     add_train_arguments(c, launcher=True)
+    c.shares_flags_with = (build_rank_parser(),)  # the ranks read its command line: a spec maps none of its flags
     c.set_defaults(func=cmd_train)

@@ -157,12 +157,10 @@ class _Builder:
         desc = raw.get("description", "")
         if "hf" in raw:
             _check_hf(raw["hf"], raw.value_loc("hf"), self.value)
-        if "megatron" in raw:
-            from ..args import MEGATRON_CONFIG_FLAGS
+        if "megatron" in raw:  # its form; the flags the command line owns: specc/commands/megatron_flags.py
             from .megatron import check_megatron
 
-            check_megatron(raw["megatron"], raw.value_loc("megatron"), self.config_raw,
-                           set(MEGATRON_CONFIG_FLAGS.values()))
+            check_megatron(raw["megatron"], raw.value_loc("megatron"), self.config_raw)
         return Spec(name, self.path, str(desc) if desc else "", config, modules, root, inputs, self.settings,
                     self.digest, raw.get("hf"))
 

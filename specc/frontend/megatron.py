@@ -11,6 +11,11 @@ The command line (specc/args.py) applies `flags` as config overrides, accepts a 
 the spec declares (it selects what the spec already is) and refuses any other with a hint that
 names the shipped specs (specs/*.yaml) declaring it, so the compiler holds no table of
 architectures: the specs say what they are.
+
+Only model flags are the spec's to map: a flag one of specc's commands defines itself (`--lr`,
+`--save`, `--tp`, `--num-layers`, ...) would be read by that command and never reach the spec, so
+`plan` and `train` would build different models. The command line knows its flags
+(specc/args.py CommandLineFlags) and hands them to `MegatronFlags.refuse`: nothing here lists them.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class MegatronFlags:
     structure: dict = field(default_factory=dict)  # flag -> True (no value) or the value it is given
     config: set = field(default_factory=set)  # the spec's config names (for hints)
     extends: str | None = None  # the shipped spec this one extends (specs/NAME), in shipped()
+    locs: dict = field(default_factory=dict)  # flag -> where the block names it (its key)
 
     def has_structure(self, flag: str, value: str | None) -> bool:
         declared = self.structure.get(flag)
@@ -42,10 +48,24 @@ class MegatronFlags:
             return value is None
         return value is not None and value.lower() == str(declared).lower()
 
+    def refuse(self, owned) -> None:
+        """The located error of the first flag of the block that is not the spec's to map:
+        `owned(flag)` is (what, hint) for a flag the command line reads itself (specc/args.py
+        CommandLineFlags), None for a model flag. A structure declared false maps nothing."""
+        if owned is None:
+            return
+        for flag, loc in self.locs.items():
+            if self.structure.get(flag) is False:
+                continue
+            why = owned(flag)
+            if why is not None:
+                raise SpecError(loc, *why)
 
-def check_megatron(raw, loc: Loc, config: LDict, reserved=()) -> MegatronFlags:
-    """The block, checked: every flag looks like one, maps to a config value the spec has, and is
-    not one the commands define themselves (`reserved`: the flag would never reach the spec)."""
+
+def check_megatron(raw, loc: Loc, config: LDict) -> MegatronFlags:
+    """The block, checked: every flag looks like one and maps to a config value the spec has (or
+    declares a structure). Whether the command line owns a flag is the command line's to say:
+    MegatronFlags.refuse."""
     if not isinstance(raw, LDict):
         raise SpecError(loc, "'megatron' must be a mapping", "e.g. megatron: {flags: {--kv-channels: head_dim}}")
     for key in raw:
@@ -63,8 +83,7 @@ def check_megatron(raw, loc: Loc, config: LDict, reserved=()) -> MegatronFlags:
             key_loc, value_loc = entries.key_loc(flag), entries.value_loc(flag)
             if not isinstance(flag, str) or not FLAG.match(flag):
                 raise SpecError(key_loc, f"'{flag}' is not a Megatron flag name", "e.g. --kv-channels")
-            if flag in reserved:
-                raise SpecError(key_loc, f"{flag} is a flag of the commands themselves; a spec cannot map it")
+            out.locs.setdefault(flag, key_loc)
             if section == "flags":
                 if not isinstance(value, str) or value not in config:
                     raise SpecError(value_loc, f"{flag} must name a config value of the spec, got {value!r}",
@@ -82,7 +101,6 @@ def check_megatron(raw, loc: Loc, config: LDict, reserved=()) -> MegatronFlags:
 
 def read_megatron(path: str) -> MegatronFlags:
     """The `megatron:` block of the spec at `path`, after `extends`. Raises SpecError."""
-    from ..args import MEGATRON_CONFIG_FLAGS
     from .load import read_spec
 
     raw = read_spec(path)
@@ -90,7 +108,7 @@ def read_megatron(path: str) -> MegatronFlags:
     config = config if isinstance(config, LDict) else LDict()
     out = MegatronFlags()
     if "megatron" in raw:
-        out = check_megatron(raw["megatron"], raw.value_loc("megatron"), config, set(MEGATRON_CONFIG_FLAGS.values()))
+        out = check_megatron(raw["megatron"], raw.value_loc("megatron"), config)
     out.config = set(config)
     return out
 

@@ -10,6 +10,7 @@ import pytest
 
 from specc.args import overrides_from
 from specc.cli import build_parser, main
+from specc.errors import SpecError
 from specc.frontend.model import Settings
 from specc.pipeline import load_and_compile
 
@@ -99,8 +100,9 @@ def test_the_hint_comes_from_the_shipped_specs(capsys, tmp_path, monkeypatch):
     ("megatron: {flags: {--kv-channels: head_dims}}", "3:35: error: --kv-channels must name a config value of the "
      "spec, got 'head_dims' (did you mean 'head_dim'?)"),
     ("megatron: {flags: {kv-channels: head_dim}}", "3:20: error: 'kv-channels' is not a Megatron flag name (e.g. --kv-channels)"),
-    ("megatron: {flags: {--num-layers: num_layers}}", "3:20: error: --num-layers is a flag of the commands "
-     "themselves; a spec cannot map it"),
+    ("megatron: {flags: {--num-layers: num_layers}}", "3:20: error: --num-layers is a flag of specc validate, "
+     "plan, graph, compile, verify and train itself, setting num_layers; a spec's megatron: block cannot map it "
+     "again (drop it from the block: --num-layers N sets num_layers already)"),
     ("megatron: {structure: {--swiglu: 3}}", "3:34: error: --swiglu must be true (a flag without a value), false "
      "(not this structure) or the value that selects this spec's structure, got 3"),
 ])
@@ -113,3 +115,97 @@ def test_a_broken_block_is_a_located_error(capsys, tmp_path, block, error):
         assert main([*command, str(spec), "--swiglu"]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"{spec}:{error}") and err.count("\n") == 1 and err.count("error:") == 1, err
+
+
+# -- only model flags: a flag a command reads itself never reaches the spec ------------------------
+
+TRAIN_FLAG = ("is a flag of specc train ({group}), not a model setting; a spec's megatron: block maps only model "
+              "flags (drop it from the block: the command line reads {flag} itself)")
+SPEC_COMMANDS = "specc validate, plan, graph, compile and train"  # the commands of specc.args.spec_flags, and train
+
+
+@pytest.mark.parametrize("section,flag,line", [
+    ("flags", "--lr", TRAIN_FLAG.format(group="optimizer and learning rate", flag="--lr")),
+    ("flags", "--save", TRAIN_FLAG.format(group="checkpoints, logs", flag="--save")),
+    ("flags", "--data-path", TRAIN_FLAG.format(group="data", flag="--data-path")),
+    ("flags", "--tp", f"is a flag of {SPEC_COMMANDS.replace(' and train', ', verify and train')} (parallel settings), "
+     "not a model setting; a spec's megatron: block maps only model flags (drop it from the block: the command line "
+     "reads --tp itself)"),
+    ("flags", "--tensor-model-parallel-size", f"is a flag of {SPEC_COMMANDS} (parallel settings), not a model "
+     "setting; a spec's megatron: block maps only model flags (drop it from the block: the command line reads "
+     "--tensor-model-parallel-size itself)"),
+    ("flags", "--micro-batch-size", f"is a flag of {SPEC_COMMANDS} (parallel settings), not a model setting; a "
+     "spec's megatron: block maps only model flags (drop it from the block: the command line reads "
+     "--micro-batch-size itself)"),
+    ("flags", "--micro", f"abbreviates --micro-batch-size, a flag of {SPEC_COMMANDS} (parallel settings): argparse "
+     "reads it as that flag, not as a model setting; a spec's megatron: block maps only model flags (give the model "
+     "flag its full Megatron name)"),
+    ("structure", "--sequence-parallel", f"is a flag of {SPEC_COMMANDS} (parallel settings), not a model setting; "
+     "a spec's megatron: block maps only model flags (drop it from the block: the command line reads "
+     "--sequence-parallel itself)"),
+])
+def test_a_flag_the_command_line_reads_is_located_in_the_spec_on_every_command(capsys, tmp_path, monkeypatch,
+                                                                                section, flag, line):
+    import specc_torch.train
+
+    spec = tmp_path / "s.yaml"
+    value = "head_dim" if section == "flags" else "true"
+    spec.write_text(f"extends: {GPT_TINY}\nname: s\nmegatron:\n  {section}:\n    {flag}: {value}\n")
+    error = f"{spec}:5:5: error: {flag} {line}"  # the key in the block
+    # validate reports it among the other specs, which it still validates
+    assert main(["validate", str(spec), GPT_TINY]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == error + "\n" and captured.out.startswith(f"{GPT_TINY}: ok: ")
+    # plan, with the flag or without it: the spec is wrong whatever the command line says
+    assert _one_line(capsys, ["plan", spec]) == error
+    assert _one_line(capsys, ["plan", spec, *(["--micro-batch-size", "2"] if flag == "--micro" else [])]) == error
+    # train: parsing its flags refuses it (nothing launched)
+    with pytest.raises(SpecError) as raised:
+        build_parser().parse_args(["train", str(spec), "--mock-data"])
+    assert raised.value.format() == error
+    # the rank's own entry (torchrun -m specc_torch.train) refuses what any specc command reads
+    trained = []
+    monkeypatch.setattr(specc_torch.train, "run", lambda cfg, stream=None: trained.append(cfg) or 0)
+    with pytest.raises(SystemExit) as exited:
+        specc_torch.train.rank_main([str(spec), "--mock-data", "--device", "cpu"])
+    assert exited.value.code == 2 and not trained
+    assert capsys.readouterr().err.startswith(f"{spec}:5:5: error: {flag} ")
+
+
+def test_no_flag_of_any_command_can_be_mapped(tmp_path):
+    """Every flag argparse defines for any specc command (and the rank's entry), read from the
+    parsers, so a flag added to a command later is covered without a list to update here."""
+    import argparse
+
+    from specc.commands.train_args import build_rank_parser
+    from specc.frontend.megatron import FLAG
+
+    def flags_of(parser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from flags_of(sub)
+            yield from (flag for flag in action.option_strings if flag.startswith("--"))
+
+    parser = build_parser()
+    flags = sorted({*flags_of(parser), *flags_of(build_rank_parser())})
+    flags = [flag for flag in flags if FLAG.match(flag)]  # not --nproc_per_node: no Megatron flag is spelled so
+    assert {"--lr", "--save", "--data-path", "--tp", "--micro-batch-size", "--tensor-model-parallel-size",
+            "--json", "--config-json", "--nproc-per-node"} <= set(flags)  # plan's, train's, the launcher's, the rank's
+    spec = tmp_path / "s.yaml"
+    for flag in flags:
+        spec.write_text(f"extends: {GPT_TINY}\nname: s\nmegatron:\n  flags:\n    {flag}: head_dim\n")
+        with pytest.raises(SpecError) as raised:
+            parser.parse_args(["plan", str(spec)])
+        assert raised.value.format().startswith(f"{spec}:5:5: error: {flag} is a flag of "), flag
+
+
+def test_model_flags_no_command_reads_stay_the_spec_s(tmp_path):
+    from specc.args import CommandLineFlags
+
+    flags = CommandLineFlags(build_parser())
+    for flag in ("--kv-channels", "--num-query-groups", "--norm-epsilon", "--swiglu", "--rotary-base"):
+        assert flags(flag) is None, flag
+    spec = tmp_path / "s.yaml"  # declared false, a structure maps nothing: nothing to refuse
+    spec.write_text(f"extends: {GPT_TINY}\nname: s\nmegatron:\n  structure:\n    --sequence-parallel: false\n")
+    assert build_parser().parse_args(["plan", str(spec)]).spec == str(spec)
