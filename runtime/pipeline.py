@@ -31,14 +31,16 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble")
 
 
 class _StageModule(nn.Module):
-    """One stage of a model that holds several: forward runs stage `index`."""
+    """One stage of a model that holds several: forward runs stage `index` (inside the context
+    `around(index)` gives: a meter of what it saves for backward, or nothing)."""
 
-    def __init__(self, model: nn.Module, index: int):
+    def __init__(self, model: nn.Module, index: int, around):
         super().__init__()
-        self.model, self.index = model, index
+        self.model, self.index, self._around = model, index, around
 
     def forward(self, *args, **kwargs):
-        return self.model(*args, stage=self.index, **kwargs)
+        with self._around(self.index):
+            return self.model(*args, stage=self.index, **kwargs)
 
 
 @contextlib.contextmanager
@@ -116,7 +118,8 @@ class Pipeline:
         device = device or torch.device("cpu")
         stage_class = _stage_class(pl)
         extra = {"rng_tracker": rng_tracker} if stage_class is not pl.PipelineStage else {}
-        self.stages = [stage_class(_StageModule(model, row["stage"]), row["stage"], num_stages, device,
+        self._meter, self._metered = None, set()
+        self.stages = [stage_class(_StageModule(model, row["stage"], self._around), row["stage"], num_stages, device,
                                    group=pg.pp.group, **extra) for row in rows]
         self.has_last = any(row["post_process"] for row in rows)
         self.loss_scale = 1.0  # fp16: the scale of the step being run (step(loss_scale=...))
@@ -153,21 +156,33 @@ class Pipeline:
             raise ValueError(f"expected {self.n} micro-batches, got {len(micro_batches)}")
         return {name: torch.cat([mb[i] for mb in micro_batches]) for i, name in enumerate(self.input_names)}
 
-    def step(self, micro_batches: list, *, train: bool = True, loss_scale: float = 1.0) -> torch.Tensor:
+    def _around(self, stage: int):
+        """The context a stage's forward runs in: the step's meter for the first forward of each
+        stage (one micro-batch), nothing for the rest."""
+        if self._meter is None or stage in self._metered:
+            return contextlib.nullcontext()
+        self._metered.add(stage)
+        return self._meter
+
+    def step(self, micro_batches: list, *, train: bool = True, loss_scale: float = 1.0,
+             saved_meter=None) -> torch.Tensor:
         """Forward (and with `train`, backward) of the micro-batches; the mean loss, a 1-element
         fp32 tensor on every pipeline rank. Gradients accumulate, multiplied by `loss_scale`
-        (fp16's: the optimizer unscales); finalize them afterwards. The loss returned is unscaled."""
+        (fp16's: the optimizer unscales); finalize them afterwards. The loss returned is unscaled.
+        saved_meter (a context, runtime.train.throughput.SavedActivations) measures what one
+        micro-batch's forward keeps for backward on each of this rank's stages."""
         kwargs = self._kwargs(micro_batches)
         target = kwargs[self.input_names[-1]]
         losses: list = []
         self.loss_scale = float(loss_scale)
+        self._meter, self._metered = saved_meter, set()
         try:
             if train:
                 self.schedule.step(target=target, losses=losses, **kwargs)
             else:
                 self.schedule.eval(target=target, losses=losses, **kwargs)
         finally:
-            self.loss_scale = 1.0
+            self.loss_scale, self._meter = 1.0, None
         total = torch.zeros(1, dtype=torch.float32)
         if self.has_last:
             # in float64, so that dividing by the scale (a power of two) gives back the loss exactly

@@ -16,22 +16,30 @@ from specc.plan.render import human_bytes
 MEMINFO = "/proc/meminfo"
 
 
-def rank_need(totals: dict, cfg: TrainConfig) -> dict:
-    """The bytes one rank needs at least, by what holds them, on the pipeline rank that needs the
-    most (totals: the compiled plan's)."""
+def rank_need(totals: dict, cfg: TrainConfig, pp_rank: int | None = None, *, in_flight: bool = True) -> dict:
+    """The bytes a rank needs, by what holds them (totals: the compiled plan's). At PP, pipeline
+    rank `pp_rank`'s own stages, or with None the rank that needs the most; activations: the
+    micro-batches the schedule keeps in flight (in_flight), or one micro-batch of each of the
+    rank's stages. The distributed optimizer shards the dense weights' state over DP and the
+    experts' over the expert-data-parallel ranks (DP / EP), as runtime.optim does."""
     params = totals["parameters"]
     per_param = totals["parameter_bytes"] / params if params else 0
     grad_per_param = totals["gradient_bytes"] / params if params else 0
     opt_per_param = totals["optimizer_bytes"] / params if params else 0
-    over_dp = cfg.parallel.dp if cfg.optimizer.use_distributed_optimizer else 1
+    par = cfg.parallel
+    dense_dp, expert_dp = (par.dp, max(1, par.dp // par.ep)) if cfg.optimizer.use_distributed_optimizer else (1, 1)
     if "pipeline" in totals:
-        rows = [(r["parameters"], r["peak_activation_bytes"]) for r in totals["pipeline"]["ranks"]]
+        pipe = totals["pipeline"]
+        rows = [(r["parameters"], r["expert_parameters"], r["peak_activation_bytes"] if in_flight else
+                 sum(st["activation_bytes"] for st in pipe["stages"] if st["rank"] == r["rank"]))
+                for r in pipe["ranks"] if pp_rank is None or r["rank"] == pp_rank]
     else:
-        rows = [(params, totals["activation_bytes"])]
+        rows = [(params, totals.get("expert_parameters", 0), totals["activation_bytes"])]
     best = None
-    for n, activations in rows:
+    for n, expert, activations in rows:
+        optimizer = opt_per_param * ((n - expert) / dense_dp + expert / expert_dp)
         need = {"parameters": int(n * per_param), "gradients": int(n * grad_per_param),
-                "optimizer": int(n * opt_per_param / over_dp), "activations": int(activations)}
+                "optimizer": int(optimizer), "activations": int(activations)}
         if best is None or sum(need.values()) > sum(best.values()):
             best = need
     return best

@@ -758,15 +758,20 @@ def memory_report(totals: dict, measured: dict, cfg: TrainConfig, pg, device) ->
     """The plan's memory per rank next to what the first step measured, by what holds it."""
     from runtime.train.training import max_memory_mb
     from specc.plan.render import human_bytes
+    from specc_torch.memory_check import rank_need
 
-    dp = pg.dp.size if cfg.optimizer.use_distributed_optimizer else 1  # the plan's Adam is not sharded over DP
-    planned = {"parameters": totals["parameter_bytes"], "gradients": totals["gradient_bytes"],
-               "optimizer": totals["optimizer_bytes"] // dp, "activations": totals["activation_bytes"]}
+    # this rank's share: its pipeline stages, its experts, its optimizer shard
+    planned = rank_need(totals, cfg, pg.pp.rank, in_flight=False)
     rows = " | ".join(f"{name} {human_bytes(planned[name])} / {human_bytes(measured[name])}" for name in planned)
     peak = ("peak allocated" if device.type == "cuda" else "peak resident set (the whole process, torch included)")
-    return (f"memory per rank, plan / measured after the first step: {rows} (activations: one micro-batch, "
-            f"measured as the unique storages autograd saved for backward; optimizer: Adam moments"
-            f"{' and fp32 masters' if cfg.bf16 else ''}{f', over DP={dp}' if dp > 1 else ''}); "
+    dp, ep = pg.dp.size, pg.ep.size
+    over = ""
+    if cfg.optimizer.use_distributed_optimizer and dp > 1:
+        over = f", over DP={dp}" + (f" (experts' over DP/EP={dp // ep})" if ep > 1 else "")
+    stages = f", pipeline rank {pg.pp.rank}'s stages" if pg.pp.size > 1 else ""
+    return (f"memory per rank, plan / measured after the first step: {rows} (activations: one micro-batch"
+            f"{' of each stage' if pg.pp.size > 1 else ''}, measured as the unique storages autograd saved for "
+            f"backward; optimizer: Adam moments{' and fp32 masters' if cfg.bf16 else ''}{over}{stages}); "
             f"{peak} {max_memory_mb(device):.1f} MiB")
 
 

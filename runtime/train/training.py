@@ -165,7 +165,8 @@ def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, 
         # the schedule runs every micro-batch's forward and backward on this rank's stages; the
         # data-parallel reduction waits for finalize_model_grads (after the tied-weight sum)
         with ddp.no_sync(), _autocast(setup, bf16):
-            total += setup.pipeline.step(micro_batches, loss_scale=scale).to(setup.device).reshape(()) * n
+            total += setup.pipeline.step(micro_batches, loss_scale=scale,
+                                         saved_meter=saved_meter).to(setup.device).reshape(()) * n
         micro_batches = []
     for i, batch in enumerate(micro_batches):
         with contextlib.nullcontext() if i == n - 1 else ddp.no_sync():

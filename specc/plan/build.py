@@ -129,6 +129,11 @@ def _local_weight_shape(w, settings) -> tuple:
     return tuple(shape)
 
 
+def _rank_elements(w, settings) -> int:
+    """Elements of a weight one rank holds: its TP shard, and of an expert weight its EP share."""
+    return numel(_local_weight_shape(w, settings)) // (settings.ep if w.expert_dim is not None else 1)
+
+
 def _replica_sum_elements(w, t: int) -> int:
     """Elements of the zero-padded gradient buffer that sums a weight's replicated heads over
     TP: each segment of fewer heads than ranks, at its full size."""
@@ -210,8 +215,8 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
             c["bytes"] += nbytes
     params, expert_params, seen = 0, 0, set()
 
-    def per_rank(w) -> int:  # elements of a weight one rank holds
-        return numel(_local_weight_shape(w, settings)) // (settings.ep if w.expert_dim is not None else 1)
+    def per_rank(w) -> int:
+        return _rank_elements(w, settings)
 
     replica_sum = 0  # elements of the zero-padded buffers that sum replicated heads' gradients over TP
 
@@ -295,6 +300,7 @@ def _pipeline_totals(graph, raw: list, settings) -> dict:
     first_layer_op = next(i for i, op in enumerate(graph.iter_ops())
                           if op.scope == pipe.block or op.scope.startswith(pipe.block + "."))
     params = [0] * len(pipe.stages)
+    experts = [0] * len(pipe.stages)  # of which expert weights (data-parallel over DP / EP ranks)
     acts = [0] * len(pipe.stages)
     seen, seen_saved = set(), set()
     copies = {copy for _, copy in pipe.ties}
@@ -305,7 +311,8 @@ def _pipeline_totals(graph, raw: list, settings) -> dict:
             seen.add(key)
             kind = OPS[op.kind]
             owned = list(kind.weights(op.attrs)) + (list(kind.shared_weights(op.attrs)) if op.id in copies else [])
-            params[s] += sum(numel(_local_weight_shape(w, settings)) for w in owned)
+            params[s] += sum(_rank_elements(w, settings) for w in owned)
+            experts[s] += sum(_rank_elements(w, settings) for w in owned if w.expert_dim is not None)
         for k, nbytes in e.saved_items:
             if (s, k) not in seen_saved:
                 seen_saved.add((s, k))
@@ -317,7 +324,8 @@ def _pipeline_totals(graph, raw: list, settings) -> dict:
         stages.append({
             "stage": st.index, "rank": st.rank, "chunk": st.chunk, "layers": list(st.layers),
             "pre_process": st.pre_process, "post_process": st.post_process,
-            "parameters": params[st.index], "optimizer_bytes": params[st.index] * OPT_BYTES[settings.dtype],
+            "parameters": params[st.index], "expert_parameters": experts[st.index],
+            "optimizer_bytes": params[st.index] * OPT_BYTES[settings.dtype],
             "activation_bytes": acts[st.index], "in_flight": flight,
             "send_bytes": sum(x.bytes for x in st.send), "recv_bytes": sum(x.bytes for x in st.recv),
             "flops": st.cost,
@@ -329,6 +337,7 @@ def _pipeline_totals(graph, raw: list, settings) -> dict:
             mine[0]["activation_bytes"] * mine[0]["in_flight"]
         ranks.append({"rank": r, "stages": [x["stage"] for x in mine],
                       "parameters": sum(x["parameters"] for x in mine),
+                      "expert_parameters": sum(x["expert_parameters"] for x in mine),
                       "optimizer_bytes": sum(x["optimizer_bytes"] for x in mine),
                       "peak_activation_bytes": peak, "in_flight": mine[0]["in_flight"]})
     return {

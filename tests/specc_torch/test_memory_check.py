@@ -61,3 +61,24 @@ def test_a_model_too_large_for_the_host_is_one_line_before_anything_starts(tmp_p
     assert line.startswith("error: the model does not fit: the plan needs at least ")
     assert "parameters 894.19 GiB" in line and " x 2 ranks on this node, this host has " in line
     assert not run_dir.exists()
+
+
+def test_each_pipeline_rank_and_expert_shard_plans_its_own_share():
+    cfg, totals = _totals(world=2, pp=2)
+    ranks = totals["pipeline"]["ranks"]
+    shares = [memory_check.rank_need(totals, cfg, r, in_flight=False) for r in range(2)]
+    assert [s["parameters"] // 4 for s in shares] == [r["parameters"] for r in ranks]
+    whole = memory_check.rank_need(_totals()[1], _totals()[0])
+    assert shares[0]["activations"] + shares[1]["activations"] == whole["activations"]  # one micro-batch each
+    # experts: their Adam state over DP / EP ranks, the dense weights' over DP
+    cfg = TrainConfig(spec=os.path.join(ROOT, "specs", "mixtral-tiny.yaml"), parallel=ParallelConfig(ep=2),
+                      micro_batch_size=1, global_batch_size=4)
+    assert resolve(cfg, 4) == []  # DP 4, EP 2: experts data-parallel over 2 ranks
+    cfg.optimizer.use_distributed_optimizer = True
+    totals = compile_run(cfg)[2].totals
+    experts = totals["expert_parameters"]
+    dense = totals["parameters"] - experts
+    per_param = totals["optimizer_bytes"] // totals["parameters"]
+    assert 0 < experts < totals["parameters"]
+    want = per_param * dense / 4 + per_param * experts / 2
+    assert abs(memory_check.rank_need(totals, cfg)["optimizer"] - want) <= 1

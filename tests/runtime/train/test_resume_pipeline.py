@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -53,6 +54,12 @@ def test_pp2_resume_with_dropout_is_bit_exact(gloo, corpus, tmp_path, virtual):
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     outcomes = gloo.run(2, _run, corpus, straight, straight + "/ckpt", None, virtual)
     assert [code for code, _ in outcomes] == [0, 0], outcomes[0][1]
+    # the memory line is pipeline rank 0's own: its stages' weights, gradients and Adam state as
+    # planned and as measured (it showed the whole model's plan, and no activations measured)
+    (line,) = [ln for ln in outcomes[0][1].splitlines() if ln.startswith("memory per rank, plan / measured")]
+    sizes = dict((m[0], (m[1], m[2])) for m in re.findall(r"(\w+) ([\d.]+ \w+) / ([\d.]+ \w+)", line))
+    assert all(sizes[k][0] == sizes[k][1] for k in ("parameters", "gradients", "optimizer")), line
+    assert not sizes["activations"][1].startswith("0.00") and "pipeline rank 0's stages" in line
     outcomes = gloo.run(2, _run, corpus, resumed, resumed + "/ckpt", straight + "/ckpt/step_0000003", virtual)
     assert [code for code, _ in outcomes] == [0, 0], outcomes[0][1]
     assert "loaded checkpoint" in outcomes[0][1]
