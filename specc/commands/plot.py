@@ -22,6 +22,10 @@ def read_metrics(run_dir: str):
                 record = json.loads(line)
             except json.JSONDecodeError:
                 raise ValueError(f"{path}:{number}: not a JSON line") from None
+            except RecursionError:  # nested deeper than Python's parser recurses
+                raise ValueError(f"{path}:{number}: not a metrics record (nested too deeply)") from None
+            except ValueError as e:  # an integer of more digits than int() takes
+                raise ValueError(f"{path}:{number}: not a metrics record ({str(e).split(':')[0]})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number}: not a JSON object")
             for key in ("loss", "ppl"):  # a NaN or infinite value is written as null

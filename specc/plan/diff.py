@@ -22,6 +22,10 @@ def load_side(path: str, flags: str) -> dict:
             raise SpecError(Loc(path), "no such file") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise SpecError(Loc(path, getattr(e, "lineno", 0), getattr(e, "colno", 0)), f"not a plan.json: {e}") from None
+        except RecursionError:  # nested deeper than Python's parser recurses
+            raise SpecError(Loc(path), "not a plan.json (nested too deeply)") from None
+        except ValueError as e:  # an integer of more digits than int() takes
+            raise SpecError(Loc(path), f"not a plan.json ({str(e).split(':')[0]})") from None
         if not isinstance(data, dict) or "ops" not in data or "totals" not in data:
             raise SpecError(Loc(path), "not a plan.json (no 'ops' and 'totals')", "save one with `specc plan SPEC --json`")
         data["_label"] = path
