@@ -22,10 +22,11 @@ from .errors import Loc, SpecError, _one_line
 
 
 def compile_args(args):
-    """(spec, graph) for a SPEC argument and the common flags."""
+    """(spec, graph) for a SPEC argument and the common flags, for the commands that only plan
+    (validate, plan, graph, diff): a backend asked for by name need not be installed here."""
     from .pipeline import load_and_compile
 
-    return load_and_compile(args.spec, settings_from(args), overrides_from(args))
+    return load_and_compile(args.spec, settings_from(args), overrides_from(args), plan_only=True)
 
 
 # -- commands ------------------------------------------------------------------------------------

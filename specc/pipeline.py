@@ -14,12 +14,14 @@ from .passes.recompute import mark_recompute
 from .passes.resolve import available, resolve
 
 
-def compile_graph(spec, have=available, lint: bool = False):
+def compile_graph(spec, have=available, lint: bool = False, plan_only: bool = False):
     """Build, resolve, type and optimize; with `lint`, check the graph's invariants after every
-    pass (the tests do)."""
+    pass (the tests do). plan_only: the graph is planned, not emitted to run (a backend asked
+    for by name need not be installed: passes.resolve)."""
     graph = build_graph(spec)
     _check_expert_parallel(graph, spec.settings)
-    passes = [lambda g: resolve(g, spec.settings, have), lambda g: parallelize(g, spec.settings), cancel_inverses]
+    passes = [lambda g: resolve(g, spec.settings, have, plan_only), lambda g: parallelize(g, spec.settings),
+              cancel_inverses]
     if spec.settings.fuse:
         passes.append(fuse_boundaries)
     passes.append(mark_recompute)  # last: it reads the final module calls
@@ -44,6 +46,7 @@ def _check_expert_parallel(graph, settings) -> None:
                         "drop --expert-model-parallel-size, or use a mixture-of-experts spec (docs/moe.md)")
 
 
-def load_and_compile(path: str, settings: Settings = Settings(), overrides=(), have=available, lint: bool = False):
+def load_and_compile(path: str, settings: Settings = Settings(), overrides=(), have=available, lint: bool = False,
+                     plan_only: bool = False):
     spec = load_spec(path, settings, overrides)
-    return spec, compile_graph(spec, have, lint)
+    return spec, compile_graph(spec, have, lint, plan_only)

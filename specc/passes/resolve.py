@@ -19,7 +19,10 @@ def available(backend: str) -> bool:
     return pkg is None or importlib.util.find_spec(pkg) is not None
 
 
-def resolve(graph, settings, have=available) -> None:
+def resolve(graph, settings, have=available, plan_only: bool = False) -> None:
+    """Each op's implementation. plan_only (validate, plan, graph, diff: nothing is emitted to
+    run): a backend asked for by name is planned even where its package is missing (a CPU box
+    plans the production layout); `auto` still means what this machine has."""
     cache: dict = {}
 
     def have_cached(backend: str) -> bool:  # one importlib lookup per backend, not per op
@@ -32,7 +35,7 @@ def resolve(graph, settings, have=available) -> None:
         requested = op.impl if op.impl not in ("", "auto") else settings.backend
         pinned = op.impl not in ("", "auto")
         where = op.attr_locs.get("impl", op.loc) if pinned else Loc("--backend")
-        op.impl, op.impl_reason = _choose(kind, requested, pinned, where, op.id, have_cached)
+        op.impl, op.impl_reason = _choose(kind, requested, pinned, where, op.id, have_cached, plan_only)
         if op.impl == "te" and op.attrs.get("tie"):  # te.Linear owns its weight: it cannot borrow one
             if pinned:
                 raise SpecError(where, f"{op.id}: a layer with a tied weight cannot use impl 'te'",
@@ -46,7 +49,7 @@ def resolve(graph, settings, have=available) -> None:
         op.attrs.update(kind.choices(op.attrs, settings, [graph.values[v].shape for v in op.inputs]))
 
 
-def _choose(kind, requested: str, pinned: bool, where, op_id: str, have):
+def _choose(kind, requested: str, pinned: bool, where, op_id: str, have, plan_only: bool = False):
     source = "spec" if pinned else "--backend"
     if requested == "auto":
         for backend in ("te", "flash"):
@@ -61,6 +64,8 @@ def _choose(kind, requested: str, pinned: bool, where, op_id: str, have):
             raise SpecError(where, f"{op_id}: op '{kind.name}' has no '{requested}' implementation")
         return "native", f"--backend {requested}: no {requested} implementation of {kind.name}"
     if requested in PACKAGES and not have(requested):
+        if plan_only:
+            return requested, f"{source}: {requested} (planned only: {PACKAGES[requested]} is not installed here)"
         raise SpecError(where, f"{op_id}: implementation '{requested}' was asked for but {PACKAGES[requested]} is not installed",
                         INSTALL[requested])
     return requested, f"{source}: {requested}"

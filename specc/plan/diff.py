@@ -43,7 +43,7 @@ def load_side(path: str, flags: str) -> dict:
         if not os.path.isfile(model):
             raise SpecError(Loc(path), "holds no model.py", "diff a spec, a plan.json or a folder `specc compile` wrote")
         recipe = read_recipe(model)
-        _, graph = load_and_compile(recipe["spec"], settings_of(recipe), overrides_of(recipe))
+        _, graph = load_and_compile(recipe["spec"], settings_of(recipe), overrides_of(recipe), plan_only=True)
         data = plan_dict(build_plan(graph))
         data["_label"] = f"{path} ({command_of(recipe)})"
         return data

@@ -11,8 +11,8 @@ from specc.emit import emit_model
 from specc.errors import SpecError
 from specc.frontend.load import load_spec
 from specc.frontend.model import Settings
-from specc.pipeline import compile_graph
-from specc.plan import build_plan, plan_json
+from specc.pipeline import compile_graph, load_and_compile
+from specc.plan import build_plan, plan_json, plan_text
 
 SPECS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "specs")
 
@@ -56,6 +56,22 @@ def test_asking_for_te_where_it_is_missing_is_an_error():
         compile_with("gpt-tiny.yaml", have=lambda b: False, tp=2, backend="te")
     assert "transformer_engine is not installed" in e.value.what and "specc[te]" in e.value.hint
     assert str(e.value.loc) == "--backend"
+
+
+def test_planning_te_needs_no_transformer_engine():
+    """A CPU box plans the production layout: validate, plan, graph and diff take --backend te
+    without the package (the reason says it is planned only); compile, verify and train still
+    refuse, since what they emit imports it; `auto` still means what this machine has."""
+    missing = lambda b: False  # noqa: E731
+    spec = os.path.join(SPECS, "gpt-tiny.yaml")
+    _, g = load_and_compile(spec, Settings(tp=2, backend="te"), have=missing, plan_only=True)
+    norm = g.ops["layers.0.input_layernorm"]
+    assert (norm.impl, norm.impl_reason) == ("te", "--backend: te (planned only: transformer_engine is not installed here)")
+    assert " te " in plan_text(build_plan(g))
+    with pytest.raises(SpecError, match="transformer_engine is not installed"):
+        load_and_compile(spec, Settings(tp=2, backend="te"), have=missing)
+    _, g = load_and_compile(spec, Settings(tp=2), have=missing, plan_only=True)
+    assert g.ops["layers.0.input_layernorm"].impl == "native"
 
 
 def test_pinning_te_on_a_tied_layer_is_an_error(tmp_path):
