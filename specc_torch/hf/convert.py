@@ -136,6 +136,29 @@ def _segments(name: str, meta, entry, count: int) -> tuple:
 
 # -- reading a Hugging Face directory -------------------------------------------------------------------
 
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _checked_tensor(t: torch.Tensor, name: str, where: str) -> torch.Tensor:
+    """A weight as import takes it: floating point of 16 bits or more (WEIGHT_DTYPES), every value
+    finite. An integer or bool tensor is not a weight; float8 and narrower formats are quantized
+    checkpoints whose scales (weight_scale_inv, ...) a cast would not apply; a NaN or an infinity
+    turns every logit that reads it into NaN, so the model would train from garbage."""
+    if t.dtype not in WEIGHT_DTYPES:
+        dtype = str(t.dtype).replace("torch.", "")
+        if t.dtype.is_floating_point:
+            raise HFError(f"{where}: {name} is {dtype}, a quantized format import does not read (dequantize the "
+                          f"checkpoint to bf16 or fp32 first, applying its scales)")
+        raise HFError(f"{where}: {name} has dtype {dtype}, but weights are floating point (float32, bfloat16, "
+                      f"float16 or float64)")
+    finite = int(torch.isfinite(t).sum())
+    if finite != t.numel():
+        nan = int(torch.isnan(t).sum())
+        raise HFError(f"{where}: {name} has {t.numel() - finite:,} of its {t.numel():,} values not finite ({nan:,} NaN, "
+                      f"{t.numel() - finite - nan:,} infinite); weights must be finite")
+    return t
+
+
 class _SafetensorsDir:
     def __init__(self, directory: str):
         safe_open = _safetensors().safe_open
@@ -163,7 +186,13 @@ class _SafetensorsDir:
                 self.where[key] = fname
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[self.where[name]].get_tensor(name)
+        fname = self.where[name]
+        where = os.path.join(self.directory, fname)
+        try:
+            tensor = self._handles[fname].get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - as above
+            raise HFError(f"{where}: {name} cannot be read ({e})") from None
+        return _checked_tensor(tensor, name, where)
 
 
 def read_hf_config(directory: str) -> dict:
