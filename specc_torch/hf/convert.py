@@ -135,8 +135,103 @@ def _segments(name: str, meta, entry, count: int) -> tuple:
 
 
 # -- reading a Hugging Face directory -------------------------------------------------------------------
+#
+# Everything import reads of HF_DIR passes through here: which files (_member), their JSON
+# (_read_json, read_index) and their tensors (_SafetensorsDir.get, _checked_tensor).
 
+MAX_JSON_BYTES = 64 << 20  # config.json and a sharded index hold kilobytes to a few megabytes
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _allowed_roots(directory: str) -> list:
+    """Where HF_DIR's files may lie once links are resolved: the folder itself; for a snapshot of
+    the Hugging Face cache (`<repo>/snapshots/<revision>/`, whose files are links to
+    `../../blobs/<hash>`), that repository's blobs/ too."""
+    real = os.path.realpath(directory)
+    roots = [real]
+    if os.path.basename(os.path.dirname(real)) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(os.path.dirname(real)), "blobs"))
+    return roots
+
+
+def _member(directory: str, name: str, listed_in: str | None = None) -> str | None:
+    """The resolved path of HF_DIR's file `name` (or None when nothing is there), checked before
+    anything opens it: a relative name whose path, links resolved, lies inside the folder (see
+    _allowed_roots), and a regular file (not a FIFO, a device, a folder). `listed_in`: the file
+    that named it (the index), which the error then points at."""
+    where = os.path.join(directory, listed_in) if listed_in else directory
+    shown = f"weight_map names {_short(name)}, which" if listed_in else name
+    if not name or "\0" in name:
+        raise HFError(f"{where}: weight_map names {_short(name)}, which is not a file name")
+    if os.path.isabs(name):
+        raise HFError(f"{where}: {shown} is an absolute path; the files of a checkpoint lie in its folder "
+                      f"(not read)")
+    path = os.path.join(directory, name)
+    real = os.path.realpath(path)
+    if not any(os.path.commonpath([real, root]) == root for root in _allowed_roots(directory)):
+        raise HFError(f"{where}: {shown} lies outside the checkpoint folder (at {real}; not read)")
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isfile(real):
+        kind = "a folder" if os.path.isdir(real) else "missing (a broken link)" if not os.path.exists(real) \
+            else "not a regular file (a FIFO, a device or a socket)"
+        raise HFError(f"{where}: {shown} is {kind}")
+    return real
+
+
+def _short(value, limit: int = 200) -> str:
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _read_json(path: str, shown: str):
+    """A JSON file of HF_DIR (a regular file, checked by _member), whatever it holds: any way it
+    cannot be read is one line."""
+    size = os.path.getsize(path)
+    if size > MAX_JSON_BYTES:
+        raise HFError(f"{shown}: {size:,} bytes, more than a Hugging Face JSON file holds (at most "
+                      f"{MAX_JSON_BYTES >> 20} MiB are read)")
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+        return json.loads(text)
+    except UnicodeDecodeError:
+        raise HFError(f"{shown}: not UTF-8 text (JSON expected)") from None
+    except RecursionError:
+        raise HFError(f"{shown}: nested too deeply to read") from None
+    except ValueError as e:
+        raise HFError(f"{shown}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise HFError(f"{shown}: cannot be read ({e.strerror or e})") from None
+
+
+def read_index(directory: str) -> dict:
+    """{shard file name: its resolved path} of HF_DIR's sharded index, every shard checked by
+    _member before any is opened: a `weight_map` object of tensor name -> a file name inside the
+    folder."""
+    path = os.path.join(directory, INDEX)
+    real = _member(directory, INDEX)
+    if real is None:
+        raise HFError(f"{directory}: no {INDEX}")
+    index = _read_json(real, path)
+    if not isinstance(index, dict):
+        raise HFError(f"{path}: not a JSON object")
+    if "weight_map" not in index:
+        raise HFError(f"{path}: no weight_map (the object of tensor name -> shard file a sharded checkpoint has)")
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise HFError(f"{path}: weight_map is {_short(weight_map)}, not an object of tensor name -> shard file")
+    if not weight_map:
+        raise HFError(f"{path}: weight_map is empty (it names no tensor)")
+    for tensor, fname in weight_map.items():
+        if not isinstance(fname, str):
+            raise HFError(f"{path}: weight_map gives {_short(tensor)} {_short(fname)}, not a file name")
+    files = {}
+    for fname in sorted(set(weight_map.values())):
+        files[fname] = _member(directory, fname, listed_in=INDEX)
+        if files[fname] is None:
+            raise HFError(f"{directory}: {fname}, listed in {INDEX}, is missing")
+    return files
 
 
 def _checked_tensor(t: torch.Tensor, name: str, where: str) -> torch.Tensor:
@@ -160,29 +255,29 @@ def _checked_tensor(t: torch.Tensor, name: str, where: str) -> torch.Tensor:
 
 
 class _SafetensorsDir:
+    """The tensors of HF_DIR: model.safetensors, or the shards its index names (read_index); each
+    tensor checked as it is read (`get`)."""
+
     def __init__(self, directory: str):
         safe_open = _safetensors().safe_open
         self.directory = directory
-        index = os.path.join(directory, INDEX)
-        if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        elif os.path.isfile(os.path.join(directory, WEIGHTS)):
-            weight_map = None
+        if os.path.lexists(os.path.join(directory, INDEX)):
+            files = read_index(directory)
         else:
-            raise HFError(f"{directory}: no {WEIGHTS} or {INDEX} (only safetensors checkpoints are read)")
-        files = sorted(set(weight_map.values())) if weight_map is not None else [WEIGHTS]
+            single = _member(directory, WEIGHTS)
+            if single is None:
+                raise HFError(f"{directory}: no {WEIGHTS} or {INDEX} (only safetensors checkpoints are read)")
+            files = {WEIGHTS: single}
         self._handles, self.where = {}, {}
-        for fname in files:
-            path = os.path.join(directory, fname)
-            if not os.path.isfile(path):
-                raise HFError(f"{directory}: {fname}, listed in {INDEX}, is missing")
+        for fname, path in files.items():
             try:
                 handle = safe_open(path, framework="pt")
             except Exception as e:  # noqa: BLE001 - safetensors reports truncation etc. in several types
-                raise HFError(f"{path}: not a readable safetensors file ({e})") from None
+                raise HFError(f"{os.path.join(directory, fname)}: not a readable safetensors file ({e})") from None
             self._handles[fname] = handle
             for key in handle.keys():
+                if key in self.where:
+                    raise HFError(f"{directory}: tensor {key} is in both {self.where[key]} and {fname}")
                 self.where[key] = fname
 
     def get(self, name: str) -> torch.Tensor:
