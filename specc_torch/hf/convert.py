@@ -137,7 +137,7 @@ def _segments(name: str, meta, entry, count: int) -> tuple:
 # -- reading a Hugging Face directory -------------------------------------------------------------------
 #
 # Everything import reads of HF_DIR passes through here: which files (_member), their JSON
-# (_read_json, read_index) and their tensors (_SafetensorsDir.get, _checked_tensor).
+# (_read_json, read_hf_config, read_index) and their tensors (_SafetensorsDir.get, _checked_tensor).
 
 MAX_JSON_BYTES = 64 << 20  # config.json and a sharded index hold kilobytes to a few megabytes
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -203,6 +203,49 @@ def _read_json(path: str, shown: str):
         raise HFError(f"{shown}: not valid JSON ({e})") from None
     except OSError as e:
         raise HFError(f"{shown}: cannot be read ({e.strerror or e})") from None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _list_of_str(value) -> bool:
+    return isinstance(value, list) and all(isinstance(x, str) for x in value)
+
+
+# The config.json keys import's checks read (check_config, the ops' HFKnobs), and the JSON type
+# each must have where it is present and not null: a value of another type would be skipped by a
+# check (`rope_parameters: "x"` is no rope at all to it, `architectures: "Llama..."` a substring
+# test) or break it.
+CONFIG_TYPES = {
+    "architectures": ("a list of class names", _list_of_str),
+    "rope_parameters": ("an object", lambda v: isinstance(v, dict)),
+    "rope_scaling": ("an object", lambda v: isinstance(v, dict)),
+    "layer_types": ("a list of layer type names", _list_of_str),
+    "query_pre_attn_scalar": ("a number above 0", lambda v: _is_number(v) and v > 0),
+    **{key: ("a number", _is_number) for key in ("rope_theta", "rotary_emb_base", "partial_rotary_factor",
+                                                  "rotary_pct", "sliding_window", "attn_logit_softcapping",
+                                                  "final_logit_softcapping")},
+    **{key: ("true or false", lambda v: isinstance(v, bool)) for key in ("tie_word_embeddings", "use_sliding_window",
+                                                                        "use_bidirectional_attention")},
+}
+
+
+def read_hf_config(directory: str) -> dict:
+    """HF_DIR's config.json, a JSON object whose keys that import's checks read have their types
+    (CONFIG_TYPES)."""
+    path = os.path.join(directory, CONFIG)
+    real = _member(directory, CONFIG)
+    if real is None:
+        raise HFError(f"{directory}: no {CONFIG}")
+    config = _read_json(real, path)
+    if not isinstance(config, dict):
+        raise HFError(f"{path}: not a JSON object")
+    for key, (kind, ok) in CONFIG_TYPES.items():
+        value = config.get(key)
+        if value is not None and not ok(value):
+            raise HFError(f"{path}: {key} is {_short(value)}, but must be {kind} (or null)")
+    return config
 
 
 def read_index(directory: str) -> dict:
@@ -290,20 +333,6 @@ class _SafetensorsDir:
         return _checked_tensor(tensor, name, where)
 
 
-def read_hf_config(directory: str) -> dict:
-    path = os.path.join(directory, CONFIG)
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise HFError(f"{directory}: no {CONFIG}") from None
-    except ValueError as e:
-        raise HFError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise HFError(f"{path}: not a JSON object")
-    return config
-
-
 def _same_value(want, have) -> bool:
     if isinstance(want, bool) or isinstance(have, bool):
         return want is have
@@ -325,7 +354,7 @@ def check_config(mapping: Mapping, config: dict, where: str, spec_name: str) -> 
             got = have.get(key) if isinstance(have, dict) else None
             if got is None:
                 continue
-            if isinstance(value, dict):
+            if isinstance(value, dict) and isinstance(got, dict):
                 walk(value, got, f"{prefix}{key}.")
             elif not _same_value(value, got):
                 raise HFError(f"{where}: config.json has {prefix}{key} = {json.dumps(got)}, but spec {spec_name} "

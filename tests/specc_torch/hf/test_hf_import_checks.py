@@ -4,7 +4,9 @@ is wrong, with nothing written (issue 23):
 - tensors: NaN or infinite values (counted), integer or bool dtypes, float8 (quantized) formats;
 - the sharded index: shard paths outside the folder (`../`, absolute, links that escape it) are
   refused before anything opens them; a weight_map that is missing, not an object, with values
-  that are not file names, an index that is not JSON."""
+  that are not file names, an index that is not JSON;
+- config.json: values of the wrong type where import's checks read them (`rope_parameters: "x"`
+  once skipped the rotary check, `architectures: 5` broke the architecture check)."""
 
 from __future__ import annotations
 
@@ -215,3 +217,36 @@ def test_a_tensor_in_two_shards_is_refused(hf, tmp_path):
     _put(hf, {**second, EMB: torch.zeros_like(weights[EMB])}, "model-00002-of-00002.safetensors")
     assert _refused(hf, tmp_path) == (f"{hf}: tensor {EMB} is in both model-00001-of-00002.safetensors and "
                                       f"model-00002-of-00002.safetensors")
+
+
+# -- config.json ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value, kind", [
+    ("rope_parameters", "x", "an object"),
+    ("rope_scaling", 7, "an object"),
+    ("architectures", 5, "a list of class names"),
+    ("architectures", "XLlamaForCausalLMX", "a list of class names"),
+    ("architectures", ["LlamaForCausalLM", 5], "a list of class names"),
+    ("layer_types", "sliding_attention", "a list of layer type names"),
+    ("query_pre_attn_scalar", "x", "a number above 0"),
+    ("query_pre_attn_scalar", -4, "a number above 0"),
+    ("rope_theta", [10000.0], "a number"),
+    ("sliding_window", True, "a number"),
+    ("tie_word_embeddings", "yes", "true or false"),
+])
+def test_config_values_of_the_wrong_type_are_refused(hf, tmp_path, capfd, key, value, kind):
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, key: value}))
+    what = f"{key} is {json.dumps(value)}, but must be {kind} (or null)"
+    assert _refused(hf, tmp_path) == f"{hf}/config.json: {what}"
+    assert _cli(hf, tmp_path, capfd) == (2, f"{hf}/config.json: error: {what}\n")
+
+
+def test_a_config_that_cannot_be_read(hf, tmp_path):
+    (hf / "config.json").write_text("[" * 100000 + "]" * 100000)
+    assert _refused(hf, tmp_path) == f"{hf}/config.json: nested too deeply to read"
+    (hf / "config.json").write_bytes(b"\xff\xfe{")
+    assert _refused(hf, tmp_path) == f"{hf}/config.json: not UTF-8 text (JSON expected)"
+    os.remove(hf / "config.json")
+    os.symlink("/dev/zero", hf / "config.json")
+    assert _refused(hf, tmp_path) == f"{hf}: config.json lies outside the checkpoint folder (at /dev/zero; not read)"
