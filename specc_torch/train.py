@@ -620,6 +620,8 @@ def run(cfg: TrainConfig, stream=None) -> int:
                       f"{cfg.num_micro_batches} micro-batch{'es' if cfg.num_micro_batches > 1 else ''}); "
                       f"MFU = achieved TFLOP/s / peak")
         reporter.start(cfg.to_dict(), setup.spec.config)
+        for note in cfg.notes:  # where Megatron warns and carries on
+            reporter.info(f"note: {note}")
         _report_setup(reporter, cfg, setup, pg, datasets)
         if device.type == "cpu":
             reporter.info(host_memory)

@@ -153,6 +153,9 @@ class TrainConfig:
     # activation recompute, Megatron's flags as the compiler's settings: {} (none), or
     # recompute_granularity (full | selective), recompute_method, recompute_num_layers
     recompute: dict = field(default_factory=dict)
+    # Megatron's habits that `resolve` accepts the way Megatron does (it warns and carries on):
+    # each a line for the run's log
+    notes: list = field(default_factory=list)
 
     @property
     def num_micro_batches(self) -> int:
@@ -160,6 +163,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _note(cfg: TrainConfig, line: str) -> None:
+    if line not in cfg.notes:  # resolve runs again on every rank
+        cfg.notes.append(line)
 
 
 def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
@@ -183,9 +191,10 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
     if par.pp_schedule is not None and par.pp == 1:
         errors.append("--pipeline-schedule has no effect without pipeline parallelism (add "
                       "--pipeline-model-parallel-size N, or drop it)")
-    if par.sp and par.tp == 1:
-        errors.append("--sequence-parallel needs --tensor-model-parallel-size 2 or more (sequence parallelism shards "
-                      "the sequence over the tensor-parallel ranks; add --tp N, or drop --sp)")
+    if par.sp and par.tp == 1:  # Megatron warns and turns it off
+        par.sp = False
+        _note(cfg, "--sequence-parallel at --tensor-model-parallel-size 1: sequence parallelism is off (it shards the "
+                   "sequence over the tensor-parallel ranks), as Megatron turns it off")
     if world_size < 1:
         errors.append(f"world size must be at least 1, got {world_size}")
     model_parallel = max(par.tp, 1) * max(par.cp, 1) * max(par.pp, 1)
@@ -279,9 +288,10 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.exit_interval is not None and cfg.exit_interval < 1:
         errors.append(f"--exit-interval must be at least 1, got {cfg.exit_interval}")
     ckpt = cfg.checkpoint
-    for flag, on in (("--finetune", ckpt.finetune), ("--no-load-optim", ckpt.no_load_optim)):
-        if on and ckpt.load is None:
-            errors.append(f"{flag} needs --load DIR")
+    if ckpt.finetune and ckpt.load is None:
+        errors.append("--finetune needs --load DIR")
+    if ckpt.no_load_optim and ckpt.load is None:  # Megatron carries on: nothing is loaded
+        _note(cfg, "--no-load-optim without --load: no effect (nothing is loaded)")
     if cfg.seed < 0:
         errors.append(f"--seed must be at least 0, got {cfg.seed}")
     if cfg.device not in ("auto", "cpu", "cuda"):

@@ -61,6 +61,8 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    help="gradient elements per data-parallel bucket (default 4000000)")
     g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                    help="reduce gradients after backward instead of overlapping with it")
+    g.add_argument("--overlap-grad-reduce", dest="overlap_grad_reduce", action="store_true",
+                   help="overlap each gradient bucket's reduction with backward (the default; Megatron's flag)")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="with --use-distributed-optimizer: each bucket's parameter all-gather runs until the next "
                    "forward reaches a module that uses it")

@@ -186,8 +186,22 @@ def test_training_option_rules(kw, error):
     errors = resolve(_cfg(**kw), 1)
     assert len(errors) == 1 and errors[0].startswith(error), errors
     cfg = _cfg()
-    cfg.checkpoint.finetune = cfg.checkpoint.no_load_optim = True
-    assert resolve(cfg, 1) == ["--finetune needs --load DIR", "--no-load-optim needs --load DIR"]
+    cfg.checkpoint.finetune = True
+    assert resolve(cfg, 1) == ["--finetune needs --load DIR"]
+
+
+def test_megatrons_habits_carry_on_with_a_note_as_megatron_does():
+    """--sequence-parallel at TP=1 (Megatron warns and turns it off) and --no-load-optim without
+    --load (nothing to load) are notes for the run's log, not errors; each said once, however
+    often the rules run (the launcher and every rank resolve the same config)."""
+    cfg = _cfg()
+    cfg.parallel.sp, cfg.checkpoint.no_load_optim = True, True
+    assert resolve(cfg, 1) == [] and resolve(cfg, 1) == []
+    assert cfg.parallel.sp is False
+    assert cfg.notes == ["--sequence-parallel at --tensor-model-parallel-size 1: sequence parallelism is off (it "
+                         "shards the sequence over the tensor-parallel ranks), as Megatron turns it off",
+                         "--no-load-optim without --load: no effect (nothing is loaded)"]
+    assert "notes" in cfg.to_dict()  # they travel to the ranks with the rest of the config
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +254,10 @@ def test_megatrons_training_flags_reach_the_config():
          "--optimizer", "sgd", "--sgd-momentum", "0.8", "--use-distributed-optimizer", "--overlap-param-gather",
          "--load", "ckpt", "--no-load-optim", "--finetune", "--log-throughput"])
     cfg = config_from_args(args)
+    assert cfg.optimizer.overlap_grad_reduce is True  # the default
+    for flags, overlap in ((["--overlap-grad-reduce"], True), (["--no-overlap-grad-reduce"], False)):
+        assert config_from_args(build_parser().parse_args(["train", spec, *flags])).optimizer.overlap_grad_reduce \
+            is overlap  # Megatron's flag is accepted: it asks for specc's default
     assert (cfg.fp16, cfg.loss_scale.initial_loss_scale, cfg.loss_scale.min_loss_scale) == (True, 65536, 2)
     assert (cfg.loss_scale.loss_scale_window, cfg.loss_scale.hysteresis, cfg.loss_scale.loss_scale) == (100, 3, None)
     assert (cfg.train_iters, cfg.train_samples, cfg.exit_interval) == (None, 640, 7)

@@ -115,8 +115,11 @@ def test_data_path_mistakes(specc, train, corpus, tmp_path):
               "padded 384")
 
 
-def test_sequence_parallel_at_tp1(train):
-    _one_line(train("--sequence-parallel"), "error: --sequence-parallel needs --tensor-model-parallel-size 2 or more")
+def test_sequence_parallel_at_tp1_is_turned_off_as_megatron_does(specc, corpus, tmp_path):
+    code, out, err = specc("train", GPT_TINY, "--sequence-parallel", "--train-iters", "1", "--eval-iters", "0",
+                           "--no-progress", "--data-path", corpus, "--run-dir", tmp_path / "run")
+    assert code == 0, err
+    assert "note: --sequence-parallel at --tensor-model-parallel-size 1: sequence parallelism is off" in out
 
 
 def test_conflicting_duplicate_flags(train):
