@@ -285,6 +285,13 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
                       "is split by --split; the others are a dataset per split)")
     elif cfg.data.train_data_path is None and any(p is not None for p in per_split):
         errors.append("--valid-data-path/--test-data-path need --train-data-path")
+    if cfg.data.tokenizer_type is None:  # the files alone would be ignored: the model keeps the spec's vocabulary
+        given = [flag for flag, value in (("--vocab-file", cfg.data.vocab_file), ("--merge-file", cfg.data.merge_file),
+                                          ("--tokenizer-model", cfg.data.tokenizer_model)) if value is not None]
+        if given:
+            errors.append(f"{' and '.join(given)} without --tokenizer-type: say which tokenizer reads "
+                          f"{'them' if len(given) > 1 else 'it'} (GPT2BPETokenizer for --vocab-file/--merge-file; "
+                          "SentencePieceTokenizer, HuggingFaceTokenizer or TikTokenizer for --tokenizer-model)")
     if cfg.exit_interval is not None and cfg.exit_interval < 1:
         errors.append(f"--exit-interval must be at least 1, got {cfg.exit_interval}")
     ckpt = cfg.checkpoint

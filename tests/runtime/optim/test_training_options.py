@@ -190,6 +190,16 @@ def test_training_option_rules(kw, error):
     assert resolve(cfg, 1) == ["--finetune needs --load DIR"]
 
 
+@pytest.mark.parametrize("files,flags", [(dict(vocab_file="v.json", merge_file="m.txt"), "--vocab-file and --merge-file"),
+                                         (dict(tokenizer_model="t.model"), "--tokenizer-model")])
+def test_tokenizer_files_without_a_type_are_an_error_not_ignored(files, flags):
+    cfg = _cfg()
+    for key, value in files.items():
+        setattr(cfg.data, key, value)
+    (error,) = resolve(cfg, 1)
+    assert error.startswith(f"{flags} without --tokenizer-type: say which tokenizer reads ")
+
+
 def test_megatrons_habits_carry_on_with_a_note_as_megatron_does():
     """--sequence-parallel at TP=1 (Megatron warns and turns it off) and --no-load-optim without
     --load (nothing to load) are notes for the run's log, not errors; each said once, however
