@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from ..errors import SpecError
-from .base import Attr, LayoutRule, OpKind, Weight, need_divisible, numel
+from .base import Attr, HFKnob, LayoutRule, OpKind, Weight, need_divisible, numel
 
 ACTIVATIONS = ("swiglu", "gelu", "silu")
 
@@ -86,6 +86,31 @@ class MoE(OpKind):
                 out.append(Weight("shared_experts.gate_weight", (1, h), "normal"))
         return out
 
+    def hf_knobs(self):
+        """The routing a Hugging Face MoE config asks for (Mixtral, Qwen-MoE, OLMoE, DeepSeek):
+        a checkpoint whose router does something else is refused on import, not run with another
+        routing (a norm_topk_prob: false checkpoint in a spec that renormalizes was off by 0.72).
+        What the op does not model (DeepSeek-V3's routed scaling and group-limited top-k) must be
+        absent or neutral."""
+        def first(*keys):
+            def requested(config, n):
+                for key in keys:
+                    if config.get(key) is not None:
+                        return [config[key]] * n
+                return None
+            return requested
+
+        return (
+            HFKnob("num_experts_per_tok", first("num_experts_per_tok"), lambda a: a["topk"]),
+            HFKnob("num_local_experts / num_experts / n_routed_experts",
+                   first("num_local_experts", "num_experts", "n_routed_experts"), lambda a: a["num_experts"]),
+            HFKnob("norm_topk_prob", first("norm_topk_prob"), lambda a: a["topk_renorm"]),
+            HFKnob("scoring_func", first("scoring_func"), lambda a: a["score_function"]),
+            HFKnob("routed_scaling_factor", first("routed_scaling_factor"), lambda a: 1.0),
+            HFKnob("n_group", first("n_group"), lambda a: 1),
+            HFKnob("topk_group", first("topk_group"), lambda a: 1),
+        )
+
     def rule_tp(self, attrs, ctx):
         if ctx.tp == 1:
             return LayoutRule(allowed=("I", "R", "S(s)"), accepts_reduction=True)
@@ -116,6 +141,10 @@ class MoE(OpKind):
             fwd += [("all_to_all", a["num_experts"] * 8), ("all_to_all", moved), ("all_to_all", moved)]
             bwd += [("all_to_all", moved), ("all_to_all", moved)]
         return fwd, bwd
+
+    def comm_axis(self, node, collective):
+        # tokens to and from their experts over EP; the aux loss's expert counts over CP
+        return "ep" if collective == "all_to_all" else "cp"
 
     def flops(self, node, local_in, local_out, mesh):
         """The expert MLPs' GEMMs over the rows this rank computes under uniform routing (its own

@@ -102,3 +102,24 @@ def test_import_then_export_gives_back_every_per_expert_tensor(tmp_path, family)
     assert any(".experts.7." in name for name in exported)  # one tensor per expert, as HF stores them
     for name, t in original.items():
         assert torch.equal(exported[name], t), name
+
+
+@pytest.mark.parametrize("family,change,message", [
+    # Qwen2-MoE does not renormalize the top-k weights; a spec that does was off by 0.72 in silence
+    ("qwen2_moe", dict(norm_topk_prob=True), "norm_topk_prob = true, but spec qwen2_moe_tiny models false"),
+    ("qwen2_moe", dict(num_experts_per_tok=2), "num_experts_per_tok = 2, but spec qwen2_moe_tiny models 4"),
+    ("mixtral", dict(norm_topk_prob=False), "norm_topk_prob = false, but spec mixtral_tiny models true"),
+    # DeepSeek-V3's routing knobs, which the op does not model, must be neutral
+    ("mixtral", dict(routed_scaling_factor=2.5), "routed_scaling_factor = 2.5, but spec mixtral_tiny models 1.0"),
+    ("mixtral", dict(n_group=8, topk_group=4), "n_group = 8, but spec mixtral_tiny models 1"),
+    ("mixtral", dict(scoring_func="sigmoid"), 'scoring_func = "sigmoid", but spec mixtral_tiny models "softmax"'),
+])
+def test_routing_the_moe_op_does_not_model_is_refused(family, change, message):
+    from specc_torch.hf.convert import HFError, check_modeled, model_params
+
+    graph = model_params(SPECS[family], with_graph=True)[3]
+    config = hf_config(family).to_dict()
+    check_modeled(graph, config, "x", f"{family}_tiny")  # the real config is what the spec models
+    with pytest.raises(HFError) as e:
+        check_modeled(graph, {**config, **change}, "x", f"{family}_tiny")
+    assert str(e.value).startswith(f"x: config.json asks for {message} at layers.0.mlp"), str(e.value)
