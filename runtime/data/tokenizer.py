@@ -8,6 +8,8 @@
     SentencePieceTokenizer     --tokenizer-model m.model (`sentencepiece`), with Megatron's special tokens
                                (<CLS> <SEP> <EOD> <MASK>, pad, bos, eos) added after the model's pieces
     GPTSentencePieceTokenizer  --tokenizer-model m.model, the model's pieces only; EOD = its eos
+    Llama2Tokenizer            --tokenizer-model m.model, the model's pieces only; EOD = its eos; a text
+                               encodes with the model's bos id first (Megatron's _Llama2Tokenizer)
     TikTokenizer               --tokenizer-model: a tiktoken rank file (base64 token, rank per line) or
                                Megatron's JSON rank list (`tiktoken`), --tiktoken-pattern v1|v2,
                                --tiktoken-num-special-tokens (1000) ids before the ranks, --vocab-size (2**17)
@@ -29,7 +31,7 @@ import os
 from .errors import DataError
 
 TOKENIZER_TYPES = ("ByteTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
-                   "GPTSentencePieceTokenizer", "TikTokenizer", "NullTokenizer")
+                   "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "NullTokenizer")
 
 # tiktoken split patterns of Megatron's TikTokenizer (megatron/training/tokenizer/tokenizer.py)
 PATTERN_TIKTOKEN = r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
@@ -199,8 +201,8 @@ class SentencePieceTokenizer:
 
     name = "SentencePieceTokenizer"
 
-    def __init__(self, tokenizer_model, gpt: bool = False):
-        kind = "GPTSentencePieceTokenizer" if gpt else "SentencePieceTokenizer"
+    def __init__(self, tokenizer_model, gpt: bool = False, kind: str | None = None):
+        kind = kind or ("GPTSentencePieceTokenizer" if gpt else "SentencePieceTokenizer")
         _file("--tokenizer-model", tokenizer_model, f"{kind} reads a SentencePiece .model file")
         spm = _library("sentencepiece", f"--tokenizer-type {kind}")
         try:
@@ -221,6 +223,9 @@ class SentencePieceTokenizer:
                 self._add_special(self._sp.id_to_piece(i) if 0 <= i < len(self._sp) else fallback)
             self.eod = self._vocab["<EOD>"]
         self.vocab_size = len(self._vocab)
+        self._bos = []  # Llama2Tokenizer: its texts start with the model's bos id
+        if kind == "Llama2Tokenizer" and self._sp.bos_id() >= 0:
+            self._bos = [int(self._sp.bos_id())]
 
     def _add_special(self, token: str) -> None:
         if token not in self._vocab:
@@ -229,7 +234,7 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str) -> list:
         if not self._special:
-            return list(self._sp.encode_as_ids(text))
+            return self._bos + list(self._sp.encode_as_ids(text))
         ids, i = [], 0
         while True:  # the earliest special token's text, then the next (Megatron's tokenize)
             found = {t: text.find(t, i) for t in self._special}
@@ -376,8 +381,9 @@ def build_tokenizer(tokenizer_type: str = "ByteTokenizer", *, vocab_file=None, m
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
-    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-        return SentencePieceTokenizer(tokenizer_model, gpt=tokenizer_type == "GPTSentencePieceTokenizer")
+    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        return SentencePieceTokenizer(tokenizer_model, gpt=tokenizer_type != "SentencePieceTokenizer",
+                                      kind=tokenizer_type)
     if tokenizer_type == "TikTokenizer":
         return TikTokenizer(tokenizer_model, tiktoken_pattern, vocab_size, tiktoken_num_special_tokens)
     if tokenizer_type == "NullTokenizer":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 TOKENIZER_TYPES = ("ByteTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
-                   "GPTSentencePieceTokenizer", "TikTokenizer", "NullTokenizer")  # runtime.data.TOKENIZER_TYPES
+                   "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "NullTokenizer")  # runtime.data.TOKENIZER_TYPES
 
 
 def add_tokenizer_arguments(g) -> None:
@@ -17,7 +17,7 @@ def add_tokenizer_arguments(g) -> None:
     g.add_argument("--vocab-file", default=None, metavar="PATH", help="GPT2BPETokenizer: GPT-2's vocab.json")
     g.add_argument("--merge-file", default=None, metavar="PATH", help="GPT2BPETokenizer: GPT-2's merges.txt")
     g.add_argument("--tokenizer-model", default=None, metavar="PATH",
-                   help="HuggingFaceTokenizer: a tokenizer.json or its folder; SentencePieceTokenizer: a .model; "
+                   help="HuggingFaceTokenizer: a tokenizer.json or its folder; SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer: a .model; "
                    "TikTokenizer: a tiktoken rank file or Megatron's JSON rank list")
     g.add_argument("--vocab-size", type=int, default=None, metavar="N",
                    help="NullTokenizer: ids below N (EOD = N); TikTokenizer: its vocabulary (default 131072)")

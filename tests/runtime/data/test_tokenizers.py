@@ -60,6 +60,10 @@ def test_sentencepiece_with_megatrons_special_tokens(tmp_path):
     assert tok.decode(tok.encode("the cat<EOD>a hen")) == "the cat<EOD>a hen"
     gpt = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model)
     assert (gpt.vocab_size, gpt.eod, gpt.encode("the cat")) == (n, sp.eos_id(), sp.encode_as_ids("the cat"))
+    llama2 = build_tokenizer("Llama2Tokenizer", tokenizer_model=model)  # Megatron's: the pieces, bos first
+    assert sp.bos_id() >= 0 and llama2.name == "Llama2Tokenizer"
+    assert (llama2.vocab_size, llama2.eod) == (n, sp.eos_id())
+    assert llama2.encode("the cat") == [sp.bos_id()] + sp.encode_as_ids("the cat")
     (tmp_path / "not.model").write_bytes(b"garbage")
     with pytest.raises(DataError, match="not a SentencePiece model"):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "not.model"))
