@@ -666,6 +666,11 @@ def run(cfg: TrainConfig, stream=None) -> int:
             state.consumed_samples = int(out["data_state"]["consumed_samples"])
             reporter.info(f"loaded checkpoint {out['path']} at iteration {state.iteration}"
                           + (f" (saved at {out['saved_layout']}, resharded)" if out["resharded"] else ""))
+        if load and not weights_only:  # the schedule's iteration is the checkpoint's step (checkpoints before
+            scheduled = (out["scheduler_state"] or {}).get("iteration")  # the step was in the data: the only check)
+            if scheduled is not None and scheduled != state.iteration:
+                return fail(CheckpointError(f"{out['path']}: its scheduler state is at iteration {scheduled}, but "
+                                            f"the checkpoint is step {state.iteration} (an edited checkpoint.json?)"))
         if append:  # the iterations after the one resumed from are recorded again: drop their old lines
             reporter.resume(state.iteration)
 

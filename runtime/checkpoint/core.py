@@ -45,9 +45,11 @@ from .boxes import Boxes, flat_boxes, param_boxes
 
 LATEST = "latest"
 INFO = "checkpoint.json"
+DCP_METADATA = ".metadata"  # DCP's index: every entry and the file, offset and length of each saved block
 FORMAT = "specc-checkpoint"
 VERSION = 1
 _STEP_DIR = re.compile(r"step_(\d+)$")
+_SAVED_DIR = re.compile(r"step_(\d+)(\.old-[0-9a-f]+)?$")  # a checkpoint's directory (one saved over: .old-)
 _TEMP_DIR = re.compile(r"step_(\d+)\.(tmp|old|del)-[0-9a-f]+$")
 _PLAIN = (str, int, float, bool, type(None))
 
@@ -377,7 +379,7 @@ def save_checkpoint(directory: str, step: int, model: torch.nn.Module, pg: Proce
 
     if opt:
         entries.update(opt[0])
-    entries["replicated"] = replicated
+    entries["replicated"] = {**replicated, "step": step}  # the step in the data, checked against checkpoint.json
     entries[f"rank/{world.rank:05d}"] = {"optimizer": opt[3] if opt else None, "rng": _rng_state(rng_tracker)}
     info = {
         "format": FORMAT, "version": VERSION, "step": step,
@@ -402,7 +404,7 @@ def save_tensors(directory: str, step: int, tensors: dict, *, spec_sha256: str |
         t = t.detach().contiguous()
         entries[f"model/{name}"] = Boxes(tuple(t.shape), t.dtype, [((0,) * t.dim(), t)])
         described[name] = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
-    entries["replicated"] = {"optimizer": None, "scheduler": None, "data": None}
+    entries["replicated"] = {"optimizer": None, "scheduler": None, "data": None, "step": step}
     info = {
         "format": FORMAT, "version": VERSION, "step": step,
         "spec": {"name": spec_name, "sha256": spec_sha256},
@@ -564,6 +566,10 @@ def read_info(path: str) -> dict:
     problem = _info_problem(info)
     if problem:
         raise CheckpointError(f"{path}: {INFO} is corrupt: {problem}")
+    m = _SAVED_DIR.match(os.path.basename(os.path.normpath(path)))
+    if m and int(m.group(1)) != info["step"]:  # `latest` names the directory, so it is checked too
+        raise CheckpointError(f"{path}: {INFO} says step {info['step']}, but the checkpoint is step "
+                              f"{int(m.group(1))} (its directory's name); an edited or misplaced {INFO}?")
     return info
 
 
@@ -629,6 +635,33 @@ def _verify_files(path: str, info: dict, world: _World, checksums: bool) -> None
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         error = f"{path}: {problems[0]}{more}"
     world.agree(error)
+    world.agree(_unlisted_data(path, info))
+
+
+def _unlisted_data(path: str, info: dict) -> str | None:
+    """Every file that holds saved data must be listed in checkpoint.json (and so be checked):
+    .metadata itself, and each file that .metadata places data in, with at least the bytes it
+    places there. A file dropped from the list would otherwise load unchecked."""
+    listed = info["files"]
+    if DCP_METADATA not in listed:
+        return f"{path}: file {DCP_METADATA} is not listed in {INFO} (an edited {INFO}?): it cannot be checked"
+    try:
+        metadata = dcp.read_metadata(path)
+        ends = {}
+        for item in metadata.storage_data.values():
+            ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+    except Exception as e:  # noqa: BLE001 - an unreadable .metadata is one line
+        return f"{path}: cannot read {DCP_METADATA}: {_first_line(e)}"
+    unlisted = sorted(f for f in ends if f not in listed)
+    if unlisted:
+        return (f"{path}: file {unlisted[0]} holds saved data ({DCP_METADATA} places blocks in it) but is not "
+                f"listed in {INFO}, so it cannot be checked (an edited {INFO}?)"
+                + (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""))
+    short = sorted(f for f, end in ends.items() if listed[f]["bytes"] < end)
+    if short:
+        return (f"{path}: file {short[0]} is listed with {listed[short[0]]['bytes']} bytes, but {DCP_METADATA} "
+                f"places data up to byte {ends[short[0]]}")
+    return None
 
 
 def check_spec(path: str, saved: dict, mine: dict, allow_spec_change: bool) -> None:
@@ -722,6 +755,10 @@ def load_checkpoint(directory: str, model: torch.nn.Module, pg: ProcessGroups | 
     local = objects.get(f"rank/{world.rank:05d}") or {}
 
     error = None
+    saved_step = replicated.get("step")  # (absent in checkpoints saved before it was stored)
+    if saved_step is not None and saved_step != info["step"]:
+        error = (f"{path}: the saved data is of step {saved_step}, but {INFO} says step {info['step']} "
+                 f"(an edited {INFO}?)")
     saved_opt_repl = (replicated.get("optimizer") or {})
     saved_opt_local = (local.get("optimizer") or {})
     for p in opt_repl_paths:
@@ -819,8 +856,13 @@ def read_tensors(directory: str, names=None, step: int | None = None, verify_che
         shape = tuple(info["params"][n]["shape"])
         dtype = getattr(torch, info["params"][n]["dtype"])
         entries[f"model/{n}"] = Boxes(shape, dtype, [((0,) * len(shape), torch.empty(shape, dtype=dtype))])
+    entries["replicated"] = None
     try:
         dcp.load(path, entries)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{path}: reading the checkpoint failed: {_first_line(e)}") from None
+    saved_step = (entries["replicated"] or {}).get("step")
+    if saved_step is not None and saved_step != info["step"]:
+        raise CheckpointError(f"{path}: the saved data is of step {saved_step}, but {INFO} says step {info['step']} "
+                              f"(an edited {INFO}?)")
     return {n: entries[f"model/{n}"].boxes[0][1] for n in names}
