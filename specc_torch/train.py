@@ -192,7 +192,9 @@ def check(cfg: TrainConfig, world_size: int):
     errors = model_rules(cfg, spec.config)
     if has_data(cfg) and not errors:
         errors += data_rules(cfg, spec.config)
-    if cfg.checkpoint.load is not None and not os.path.isdir(cfg.checkpoint.load):
+    if cfg.checkpoint.load is not None and starts_fresh(cfg):
+        pass  # --save X --load X with nothing saved in X yet: the first launch starts afresh, as in Megatron
+    elif cfg.checkpoint.load is not None and not os.path.isdir(cfg.checkpoint.load):
         errors.append(f"--load {cfg.checkpoint.load}: no such directory")
     elif cfg.checkpoint.load is not None:
         errors += _checkpoint_rules(cfg.checkpoint.load)
@@ -241,6 +243,109 @@ def _folder_problem(path: str) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"cannot be created: {parent} is not writable"
     return None
+
+
+# -- the save directory: one run's at a time ----------------------------------------------------------
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def holds_checkpoints(directory: str) -> bool:
+    """Whether DIRECTORY holds what a save left (a `latest`, or a complete step_N)."""
+    from runtime.checkpoint import LATEST, complete_steps
+
+    return os.path.isdir(directory) and (os.path.lexists(os.path.join(directory, LATEST))
+                                         or bool(complete_steps(directory)))
+
+
+def starts_fresh(cfg: TrainConfig) -> bool:
+    """--save X --load X where X holds no checkpoint yet (Megatron's habit on a first launch): no load."""
+    ck = cfg.checkpoint
+    return bool(ck.load and ck.save and _same_dir(ck.load, ck.save) and not holds_checkpoints(ck.save))
+
+
+def resumes_save_dir(cfg: TrainConfig) -> bool:
+    """Whether --load names the --save directory (or one checkpoint in it): a resume, which may save there."""
+    from runtime.checkpoint import INFO
+
+    ck = cfg.checkpoint
+    if not ck.load or not ck.save:
+        return False
+    if _same_dir(ck.load, ck.save):
+        return True
+    return os.path.isfile(os.path.join(ck.load, INFO)) and _same_dir(os.path.dirname(os.path.normpath(ck.load)),
+                                                                     ck.save)
+
+
+def foreign_checkpoints(cfg: TrainConfig) -> str | None:
+    """A run that does not resume from its --save directory must not write over the checkpoints in it:
+    one line when it holds some (None: it holds none, or this run resumes them)."""
+    from runtime.checkpoint import CheckpointError, complete_steps, latest_step
+
+    save = cfg.checkpoint.save
+    if not save or resumes_save_dir(cfg) or not holds_checkpoints(save):
+        return None
+    try:
+        step = latest_step(save)
+    except CheckpointError:
+        step = None
+    steps = complete_steps(save)
+    step = step if step is not None else (steps[-1] if steps else None)
+    what = f"checkpoints (latest step {step})" if step is not None else "checkpoints"
+    loads = f" (it loads {cfg.checkpoint.load})" if cfg.checkpoint.load else ""
+    return (f"--save {save} holds {what} that this run did not write: a new run{loads} never overwrites them; "
+            f"resume them with --load {save}, or give another --save directory")
+
+
+def save_dir_rules(cfg: TrainConfig) -> list:
+    """What the launcher checks before starting any rank: --save is not another run's (its lock is
+    free, and it holds no checkpoints unless this run resumes them). Rank 0 decides again when it
+    takes the lock (claim_save_dir)."""
+    from runtime.checkpoint import CheckpointError, check_free
+
+    save = cfg.checkpoint.save
+    if save is None:
+        return []
+    try:
+        check_free(save)
+    except CheckpointError as e:
+        return [f"--save {save}: {e}"]
+    problem = foreign_checkpoints(cfg)
+    return [problem] if problem else []
+
+
+def claim_save_dir(cfg: TrainConfig, rank: int, world: int, restart: int):
+    """Every rank calls it (after torch.distributed is initialized, when there are several): rank 0,
+    the one that writes `latest`, takes --save's lock for the whole run and decides; the others
+    learn its decision. Returns (the lock on rank 0, else None; an error line or None; whether the
+    directory's checkpoints are this run's own: an elastic restart of the run that claimed it)."""
+    from runtime.checkpoint import CheckpointError, lock_save_dir, run_identity, same_run
+
+    lock, error, own = None, None, False
+    save = cfg.checkpoint.save
+    if rank == 0 and save:
+        try:
+            lock = lock_save_dir(save)
+            mine = run_identity()
+            own = restart > 0 and same_run(lock.previous, mine)
+            error = None if own else foreign_checkpoints(cfg)
+            if error is None:
+                lock.claim(mine)
+        except CheckpointError as e:
+            error = f"--save {save}: {e}"
+        except OSError as e:
+            error = f"--save {save}: cannot take the lock of the save directory ({e.strerror or e})"
+        if error is not None and lock is not None:
+            lock.release()
+            lock = None
+    if world > 1:
+        import torch.distributed as dist
+
+        box = [(error, own)]
+        dist.broadcast_object_list(box, src=0)
+        error, own = box[0]
+    return lock, error, own
 
 
 def _checkpoint_rules(load: str) -> list:
@@ -416,6 +521,10 @@ def launch(args) -> int:
         fit_errors = fit_rules(cfg, args.nproc_per_node)
         if fit_errors:
             raise ConfigError(fit_errors)
+        if args.nnodes == 1 or args.node_rank == 0:  # (another node's launcher may start after rank 0 took it)
+            save_errors = save_dir_rules(cfg)
+            if save_errors:
+                raise ConfigError(save_errors)
     except (ConfigError, SpecError, DataError) as e:
         for line in _error_lines(e):
             print(line, file=sys.stderr)
@@ -550,20 +659,6 @@ def run(cfg: TrainConfig, stream=None) -> int:
         check(cfg, world)
     except (ConfigError, SpecError, DataError) as e:
         return fail(e)
-    # What to load: --load, or on an elastic restart the newest checkpoint this run saved; a
-    # checkpoint without optimizer and data state (`specc hf import`) gives the weights only.
-    load, weights_only, skip_optimizer = cfg.checkpoint.load, False, False
-    try:
-        if restart > 0 and cfg.checkpoint.save and latest_step(cfg.checkpoint.save) is not None:
-            load = cfg.checkpoint.save
-        if load:
-            info = read_info(checkpoint_path(load))
-            weights_only = info.get("optimizer") is None or not info.get("data")
-            # --finetune: the weights only; --no-load-optim: also the iteration and data position
-            weights_only = weights_only or (cfg.checkpoint.finetune and load == cfg.checkpoint.load)
-            skip_optimizer = cfg.checkpoint.no_load_optim and load == cfg.checkpoint.load
-    except CheckpointError as e:
-        return fail(e)
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -574,13 +669,42 @@ def run(cfg: TrainConfig, stream=None) -> int:
     if world > 1 and not dist.is_initialized():
         init_process_group("nccl" if device.type == "cuda" else "gloo")
         initialized_here = True
+    # --save is this run's alone: rank 0 holds its lock until the run ends (claim_save_dir)
+    lock, error, own = claim_save_dir(cfg, rank, world, restart)
+
+    def stop(e) -> int:  # before the run's try/finally: give back what is held so far
+        if lock is not None:
+            lock.release()
+        if initialized_here:
+            dist.destroy_process_group()
+        return fail(e)
+
+    if error is not None:
+        return stop(ConfigError([error]))
+    # What to load: --load, or on an elastic restart the newest checkpoint this run saved; a
+    # checkpoint without optimizer and data state (`specc hf import`) gives the weights only.
+    load, weights_only, skip_optimizer = cfg.checkpoint.load, False, False
+    fresh = starts_fresh(cfg)  # --save X --load X, nothing in X yet
+    if fresh:
+        load = None
+    try:
+        if own and latest_step(cfg.checkpoint.save) is not None:
+            load = cfg.checkpoint.save
+        if load:
+            info = read_info(checkpoint_path(load))
+            weights_only = info.get("optimizer") is None or not info.get("data")
+            # --finetune: the weights only; --no-load-optim: also the iteration and data position
+            weights_only = weights_only or (cfg.checkpoint.finetune and load == cfg.checkpoint.load)
+            skip_optimizer = cfg.checkpoint.no_load_optim and load == cfg.checkpoint.load
+    except CheckpointError as e:
+        return stop(e)
     try:
         pg = ProcessGroups.initialize(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp, ep=cfg.parallel.ep,
                                       transport=cfg.parallel.transport) \
             if world > 1 \
             else ProcessGroups.single()
     except TransportError as e:  # --collective-transport shm where it cannot be used
-        return fail(ConfigError([f"--collective-transport shm: {e}"]))
+        return stop(ConfigError([f"--collective-transport shm: {e}"]))
     reporter = NullReporter()
     try:
         if not has_data(cfg):  # launched by hand without --data-path: one preparer per node
@@ -631,6 +755,11 @@ def run(cfg: TrainConfig, stream=None) -> int:
         if restart > 0:
             reporter.info(f"elastic restart {restart}: "
                           + (f"resuming from {load}" if load else "no checkpoint to resume from, starting over"))
+        if lock is not None and lock.note:
+            reporter.info(lock.note)
+        if fresh:
+            reporter.info(f"--load {cfg.checkpoint.load}: no checkpoint there yet (it is the --save directory too): "
+                          f"training starts from scratch")
         state = TrainState()
         if load and weights_only:  # the model's weights only: iteration 0, a fresh optimizer
             try:
@@ -701,6 +830,8 @@ def run(cfg: TrainConfig, stream=None) -> int:
         pg.destroy()
         if initialized_here:
             dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
 
 
 def init_process_group(backend: str) -> None:

@@ -1,7 +1,8 @@
 """Sharded checkpoints through torch.distributed.checkpoint: parameters (and per-parameter
 optimizer state) stored under layout-independent names at full shape, so a checkpoint saved at
 one TP x DP layout loads at any other; atomic saves with a `latest` pointer; every file checked
-before anything is loaded. See core.py and docs/checkpoints.md."""
+before anything is loaded; one run per save directory (lock.py). See core.py and
+docs/checkpoints.md."""
 
 from .adam import adam_state, restore_adam
 from .core import (
@@ -23,10 +24,18 @@ from .core import (
     save_tensors,
     step_dirname,
 )
+from .lock import LOCK, RunLock, SaveDirBusy, check_free, lock_save_dir, run_identity, same_run
 
 __all__ = [
     "CheckpointError",
     "INFO",
+    "LOCK",
+    "RunLock",
+    "SaveDirBusy",
+    "check_free",
+    "lock_save_dir",
+    "run_identity",
+    "same_run",
     "adam_state",
     "restore_adam",
     "LATEST",

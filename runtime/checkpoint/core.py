@@ -42,6 +42,8 @@ from ..init import init_name, is_tied_copy
 from ..parallel_state import ProcessGroups
 from . import dcp
 from .boxes import Boxes, flat_boxes, param_boxes
+from .errors import CheckpointError
+from .lock import SaveDirBusy, lock_for_save
 
 LATEST = "latest"
 INFO = "checkpoint.json"
@@ -52,11 +54,6 @@ _STEP_DIR = re.compile(r"step_(\d+)$")
 _SAVED_DIR = re.compile(r"step_(\d+)(\.old-[0-9a-f]+)?$")  # a checkpoint's directory (one saved over: .old-)
 _TEMP_DIR = re.compile(r"step_(\d+)\.(tmp|old|del)-[0-9a-f]+$")
 _PLAIN = (str, int, float, bool, type(None))
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be loaded as asked: missing, incomplete, corrupt, or of another
-    model. The message is one line and names what does not match."""
 
 
 @dataclass(frozen=True)
@@ -417,39 +414,50 @@ def save_tensors(directory: str, step: int, tensors: dict, *, spec_sha256: str |
 
 def _write(directory: str, step: int, entries: dict, info: dict, world: _World, keep_last) -> str:
     name = step_dirname(step)
-    suffix = None
+    lock, suffix, error, kind = None, None, None, CheckpointError
     if world.rank == 0:
         os.makedirs(directory, exist_ok=True)
-        _clean_stale(directory)
-        suffix = secrets.token_hex(4)
-        os.makedirs(os.path.join(directory, f"{name}.tmp-{suffix}"))
-    suffix = world.broadcast(suffix)
-    tmp = os.path.join(directory, f"{name}.tmp-{suffix}")
-    dcp.save(tmp, entries)
-
-    mine = {}
-    for fname in sorted(os.listdir(tmp)):
-        if _file_owner(fname, world.size) == world.rank:
-            fpath = os.path.join(tmp, fname)
-            mine[fname] = {"bytes": os.path.getsize(fpath), "crc32": _crc32(fpath)}
-    files = {}
-    for theirs in world.gather(mine):
-        files.update(theirs)
-
-    status = None
-    if world.rank == 0:
         try:
-            info["files"] = dict(sorted(files.items()))
-            _write_durably(os.path.join(tmp, INFO), json.dumps(info, indent=1) + "\n")
-            _fsync_dir(tmp)
-            _publish(directory, name, tmp, step, suffix)
-            if keep_last is not None:
-                _prune(directory, keep_last)
-        except OSError as e:
-            status = f"{directory}: saving step {step} failed: {e}"
-    status = world.broadcast(status)
-    if status:
-        raise CheckpointError(status)
+            lock = lock_for_save(directory)  # None: this process holds it for its whole run
+        except CheckpointError as e:  # SaveDirBusy: another process's run or save
+            error, kind = str(e), type(e)
+        if error is None:
+            _clean_stale(directory)
+            suffix = secrets.token_hex(4)
+            os.makedirs(os.path.join(directory, f"{name}.tmp-{suffix}"))
+    try:
+        suffix, error, busy = world.broadcast((suffix, error, kind is SaveDirBusy))
+        if error:
+            raise (SaveDirBusy if busy else CheckpointError)(error)
+        tmp = os.path.join(directory, f"{name}.tmp-{suffix}")
+        dcp.save(tmp, entries)
+
+        mine = {}
+        for fname in sorted(os.listdir(tmp)):
+            if _file_owner(fname, world.size) == world.rank:
+                fpath = os.path.join(tmp, fname)
+                mine[fname] = {"bytes": os.path.getsize(fpath), "crc32": _crc32(fpath)}
+        files = {}
+        for theirs in world.gather(mine):
+            files.update(theirs)
+
+        status = None
+        if world.rank == 0:
+            try:
+                info["files"] = dict(sorted(files.items()))
+                _write_durably(os.path.join(tmp, INFO), json.dumps(info, indent=1) + "\n")
+                _fsync_dir(tmp)
+                _publish(directory, name, tmp, step, suffix)
+                if keep_last is not None:
+                    _prune(directory, keep_last)
+            except OSError as e:
+                status = f"{directory}: saving step {step} failed: {e}"
+        status = world.broadcast(status)
+        if status:
+            raise CheckpointError(status)
+    finally:
+        if lock is not None:
+            lock.release()
     return os.path.join(directory, name)
 
 

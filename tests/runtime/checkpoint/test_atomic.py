@@ -76,7 +76,7 @@ def test_killed_saves_leave_the_last_complete_checkpoint(tmp_path):
     # the next save of step 2 replaces the unpublished one and removes what the kills left
     again = _model(seed=3)
     save_checkpoint(directory, 2, again)
-    assert sorted(os.listdir(directory)) == ["latest", "step_0000001", "step_0000002"]
+    assert sorted(os.listdir(directory)) == ["latest", "run.lock", "step_0000001", "step_0000002"]
     assert latest_step(directory) == 2
     assert _loads_as(directory, _weights(again)) == 2
 
@@ -86,7 +86,7 @@ def test_keep_last_prunes_older_checkpoints(tmp_path):
     model = specc_torch.build_model(GPT, seed=1)
     for step in (10, 20, 30, 40):
         save_checkpoint(directory, step, model, keep_last=2)
-    assert sorted(os.listdir(directory)) == ["latest", "step_0000030", "step_0000040"]
+    assert sorted(os.listdir(directory)) == ["latest", "run.lock", "step_0000030", "step_0000040"]
     save_checkpoint(directory, 50, model)  # no keep_last: nothing is pruned
     assert complete_steps(directory) == [30, 40, 50]
     assert load_checkpoint(directory, model, step=30)["step"] == 30

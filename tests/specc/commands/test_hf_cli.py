@@ -25,7 +25,7 @@ def test_import_then_export_round_trips_bit_exactly(specc, tmp_path):
     assert (code, stderr) == (0, ""), stderr
     assert stdout == (f"specc hf import: {hf_dir} (LlamaForCausalLM, 21 tensors, 94,528 parameters) -> "
                       f"{ckpt}/step_0000000 (spec llama_tiny)\n")
-    assert sorted(os.listdir(ckpt)) == ["latest", "step_0000000"]
+    assert sorted(os.listdir(ckpt)) == ["latest", "run.lock", "step_0000000"]
 
     code, stdout, stderr = specc("hf", "export", ckpt, "--spec", SPECS["llama"], "--out", out)
     assert (code, stderr) == (0, ""), stderr

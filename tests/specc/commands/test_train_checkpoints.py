@@ -40,7 +40,7 @@ def test_keep_last_keeps_the_newest_checkpoints(specc, corpus, tmp_path):
     assert code == 0, out + err
     assert out.count("saved checkpoint") == 5  # five saves, the last two kept
     assert complete_steps(str(ckpt)) == [4, 5] and latest_step(str(ckpt)) == 5
-    assert sorted(os.listdir(ckpt)) == ["latest", "step_0000004", "step_0000005"]  # nothing half-deleted
+    assert sorted(os.listdir(ckpt)) == ["latest", "run.lock", "step_0000004", "step_0000005"]  # nothing half-deleted (run.lock: the run's lock)
 
     for flags, message in ((("--save", ckpt, "--keep-last", "0"), "error: --keep-last must be at least 1, got 0"),
                            (("--keep-last", "2"), "error: --keep-last needs --save DIR"),
