@@ -814,13 +814,16 @@ def run(cfg: TrainConfig, stream=None) -> int:
                                    keep_last=cfg.checkpoint.keep_last)
             reporter.info(f"saved checkpoint {path}")
 
-        losses = train(setup, datasets, cfg, pg, reporter, state, save_fn=save if cfg.checkpoint.save else None,
-                       before_step=_test_kill_hook(rank, world, restart), flops_per_iteration=flops_per_iteration,
-                       after_first_step=lambda measured: reporter.info(memory_report(plan.totals, measured, cfg,
-                                                                                     pg, setup.device)))
-        if cfg.checkpoint.save and not (cfg.checkpoint.save_interval and
-                                        state.iteration % cfg.checkpoint.save_interval == 0):
-            save(state)
+        try:  # a save that fails (a full disk) is one line on every rank, and the run stops
+            losses = train(setup, datasets, cfg, pg, reporter, state, save_fn=save if cfg.checkpoint.save else None,
+                           before_step=_test_kill_hook(rank, world, restart), flops_per_iteration=flops_per_iteration,
+                           after_first_step=lambda measured: reporter.info(memory_report(plan.totals, measured, cfg,
+                                                                                         pg, setup.device)))
+            if cfg.checkpoint.save and not (cfg.checkpoint.save_interval and
+                                            state.iteration % cfg.checkpoint.save_interval == 0):
+                save(state)
+        except CheckpointError as e:
+            return fail(e)
         if losses:
             reporter.info(f"done: {len(losses)} iterations, loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
                           f"metrics in {cfg.logging.run_dir}")

@@ -26,6 +26,7 @@ at any point leaves the previous checkpoint and `latest` as they were.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -416,30 +417,38 @@ def _write(directory: str, step: int, entries: dict, info: dict, world: _World, 
     name = step_dirname(step)
     lock, suffix, error, kind = None, None, None, CheckpointError
     if world.rank == 0:
-        os.makedirs(directory, exist_ok=True)
         try:
+            os.makedirs(directory, exist_ok=True)
             lock = lock_for_save(directory)  # None: this process holds it for its whole run
-        except CheckpointError as e:  # SaveDirBusy: another process's run or save
-            error, kind = str(e), type(e)
-        if error is None:
             _clean_stale(directory)
             suffix = secrets.token_hex(4)
             os.makedirs(os.path.join(directory, f"{name}.tmp-{suffix}"))
+        except CheckpointError as e:  # SaveDirBusy: another process's run or save
+            error, kind = str(e), type(e)
+        except OSError as e:
+            error = _save_failed(directory, step, e)
     try:
         suffix, error, busy = world.broadcast((suffix, error, kind is SaveDirBusy))
         if error:
             raise (SaveDirBusy if busy else CheckpointError)(error)
         tmp = os.path.join(directory, f"{name}.tmp-{suffix}")
-        dcp.save(tmp, entries)
-
-        mine = {}
-        for fname in sorted(os.listdir(tmp)):
-            if _file_owner(fname, world.size) == world.rank:
-                fpath = os.path.join(tmp, fname)
-                mine[fname] = {"bytes": os.path.getsize(fpath), "crc32": _crc32(fpath)}
-        files = {}
-        for theirs in world.gather(mine):
+        mine, error = {}, None
+        try:
+            dcp.save(tmp, entries)
+            for fname in sorted(os.listdir(tmp)):
+                if _file_owner(fname, world.size) == world.rank:
+                    fpath = os.path.join(tmp, fname)
+                    mine[fname] = {"bytes": os.path.getsize(fpath), "crc32": _crc32(fpath)}
+        except Exception as e:  # noqa: BLE001 - a failed write (a full disk) is one line, on every rank
+            error = _save_failed(directory, step, e)
+        files, errors = {}, []
+        for theirs, their_error in world.gather((mine, error)):
             files.update(theirs)
+            errors += [their_error] if their_error else []
+        if errors:
+            if world.rank == 0:  # nothing half-written is left behind; `latest` and its step are untouched
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(errors[0])
 
         status = None
         if world.rank == 0:
@@ -451,7 +460,11 @@ def _write(directory: str, step: int, entries: dict, info: dict, world: _World, 
                 if keep_last is not None:
                     _prune(directory, keep_last)
             except OSError as e:
-                status = f"{directory}: saving step {step} failed: {e}"
+                status = _save_failed(directory, step, e)
+                shutil.rmtree(tmp, ignore_errors=True)  # (gone already once it was renamed into place)
+                latest_tmp = os.path.join(directory, f"{LATEST}.tmp-{suffix}")
+                if os.path.lexists(latest_tmp):
+                    os.remove(latest_tmp)
         status = world.broadcast(status)
         if status:
             raise CheckpointError(status)
@@ -459,6 +472,39 @@ def _write(directory: str, step: int, entries: dict, info: dict, world: _World, 
         if lock is not None:
             lock.release()
     return os.path.join(directory, name)
+
+
+def _disk_full(e: BaseException) -> OSError | None:
+    """The OSError ENOSPC (or EDQUOT) behind a failed write, wherever it sits: raised as is, the
+    cause or context of another error (torch.save's "unexpected pos" RuntimeError has it as its
+    context), or one rank's failure inside a DCPError."""
+    seen, stack = set(), [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return x
+        stack += [x.__cause__, x.__context__, *getattr(x, "errors", ())]
+    return None
+
+
+def _save_failed(directory: str, step: int, e: BaseException) -> str:
+    """One line for a save that failed: a full disk says so, with what is still there."""
+    full = _disk_full(e)
+    if full is None:
+        text = str(e).strip().splitlines() if isinstance(e, OSError) else [_first_line(e)]
+        return f"{directory}: saving step {step} failed: {text[0] if text else type(e).__name__}"
+    try:
+        before = latest_step(directory)
+    except CheckpointError:
+        before = None
+    kept = (f"the checkpoint of step {before} is intact and '{LATEST}' still names it" if before is not None
+            else "nothing was saved here before")
+    what = "the disk quota is exceeded" if full.errno == errno.EDQUOT else "the disk is full"
+    return (f"{directory}: saving step {step} failed: {what} ({full.strerror or os.strerror(full.errno)}); {kept}, "
+            f"and no part of step {step} is left; free some space (or keep fewer checkpoints) and resume")
 
 
 def _publish(directory: str, name: str, tmp: str, step: int, suffix: str) -> None:

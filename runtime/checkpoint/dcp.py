@@ -17,6 +17,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -36,6 +37,28 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .boxes import Boxes
+
+
+class DCPError(Exception):
+    """A DCP save or load that failed. DCP gathers every rank's failure and raises them on every
+    rank as its CheckpointException, a BaseException that `except Exception` lets through, with a
+    traceback per rank as its text. This is an Exception whose message is one line (the first
+    failing rank's, by rank); `errors` holds each failing rank's exception, and the first one is
+    the cause."""
+
+    def __init__(self, message: str, errors: list):
+        super().__init__(message)
+        self.errors = errors
+
+
+def _one_error(e: CheckpointException) -> DCPError:
+    failures = sorted(e.failures.items(), key=lambda kv: kv[0])
+    errors = [failure[0] if isinstance(failure, tuple) else failure for _, failure in failures]
+    if not errors:
+        return DCPError("the checkpoint library failed on no named rank", [])
+    rank, first = failures[0][0], errors[0]
+    text = str(first).strip().splitlines()
+    return DCPError(f"rank {rank}: {type(first).__name__}: {text[0] if text else ''}", errors)
 
 
 def distributed() -> bool:
@@ -124,7 +147,11 @@ def save(path: str, entries: dict) -> None:
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore")
-        dcp.save(entries, storage_writer=writer, planner=_SavePlanner(), no_dist=not distributed())
+        try:
+            dcp.save(entries, storage_writer=writer, planner=_SavePlanner(), no_dist=not distributed())
+        except CheckpointException as e:
+            error = _one_error(e)
+            raise error from (error.errors[0] if error.errors else None)
 
 
 def load(path: str, entries: dict) -> dict:
@@ -133,7 +160,11 @@ def load(path: str, entries: dict) -> dict:
     reader = dcp.FileSystemReader(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(entries, storage_reader=reader, planner=_LoadPlanner(), no_dist=not distributed())
+        try:
+            dcp.load(entries, storage_reader=reader, planner=_LoadPlanner(), no_dist=not distributed())
+        except CheckpointException as e:
+            error = _one_error(e)
+            raise error from (error.errors[0] if error.errors else None)
     return entries
 
 
