@@ -39,6 +39,7 @@ from runtime.train.config import (
 )
 
 from .api import compile_source
+from .torchrun import report_error
 
 
 class ConfigError(Exception):
@@ -534,7 +535,8 @@ def launch(args) -> int:
     # Every rank re-checks; derived values (DP, global batch) are derived again from the world.
     cfg.parallel.dp = 1
     payload = json.dumps(cfg.to_dict())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
+    # torchrun, with a rank's one-line error printed once and exit code 2 (specc_torch/torchrun.py)
+    cmd = [sys.executable, "-m", "specc_torch.torchrun", "--nproc-per-node", str(args.nproc_per_node),
            "--nnodes", str(args.nnodes)]
     if args.max_restarts:
         cmd += ["--max-restarts", str(args.max_restarts)]
@@ -650,8 +652,10 @@ def run(cfg: TrainConfig, stream=None) -> int:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's elastic attempt
 
     def fail(e) -> int:
-        if rank == 0:
-            for line in _error_lines(e):
+        lines = _error_lines(e)
+        # under `specc train`, the launcher prints the first rank's lines once (specc_torch/torchrun.py)
+        if not report_error(lines, rank) and rank == 0:
+            for line in lines:
                 print(line, file=sys.stderr, flush=True)
         return 2
 

@@ -1,10 +1,14 @@
-"""A rank's errors under `specc train` are one line and exit code 2: a full disk during a save (the
-previous checkpoint intact, nothing of the failed save left)."""
+"""A rank's errors under `specc train` are one line and exit code 2, as with one process: a full
+disk during a save (the previous checkpoint intact, nothing of the failed save left), and under
+torchrun a rank's checkpoint error (specc_torch/torchrun.py), without torchrun's ChildFailedError
+traceback."""
 
 from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -75,3 +79,57 @@ def test_a_full_disk_during_a_save_stops_the_run_in_one_line(specc, corpus, tmp_
     assert f"saved checkpoint {ckpt / 'step_0000001'}" in out and "step_0000002" not in out
     assert sorted(os.listdir(ckpt)) == ["latest", "run.lock", "step_0000001"] and latest_step(str(ckpt)) == 1
     lock_save_dir(str(ckpt)).release()  # the run let go of its directory
+
+
+FAKE_RANK = """
+import os, sys, time
+from specc_torch.torchrun import report_error
+rank = int(os.environ["RANK"])
+if sys.argv[1] == "error" and rank == 1:
+    report_error(["error: ckpt/step_0000001: file __0_0.distcp is corrupt (crc32 1a2b3c4d, 1ccdfc17 was written)"],
+                 rank)
+    sys.exit(2)
+if sys.argv[1] == "crash" and rank == 1:
+    raise RuntimeError("a bug")
+time.sleep(0 if sys.argv[1] == "ok" else 60)
+"""
+
+
+@pytest.mark.parametrize("case", ["error", "crash", "ok"])
+def test_torchrun_ends_on_a_ranks_error_with_its_line_and_exit_2(tmp_path, case):
+    script = tmp_path / "rank.py"
+    script.write_text(FAKE_RANK)
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "specc_torch.torchrun", "--standalone", "--nproc-per-node", "2",
+                           str(script), case], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if case == "error":  # the line, once; nothing of torchrun's
+        assert (proc.returncode, proc.stderr) == (2, "error: ckpt/step_0000001: file __0_0.distcp is corrupt (crc32 "
+                                                     "1a2b3c4d, 1ccdfc17 was written)\n")
+    elif case == "crash":  # the rank's traceback and torchrun's log stay; one line ends it, not ChildFailedError's
+        assert proc.returncode == 1, proc.stderr
+        assert "RuntimeError: a bug" in proc.stderr and "ChildFailedError" not in proc.stderr
+        last = proc.stderr.rstrip("\n").splitlines()[-1]
+        assert last.startswith("error: rank 1 (local rank 1, pid ") and last.endswith(") exited with code 1; its "
+                                                                                     "output is above"), last
+    else:
+        assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+
+
+def test_a_checkpoint_error_found_on_one_rank_is_one_line_and_exit_2(specc, corpus, tmp_path, monkeypatch):
+    """Saved by one process, loaded at TP=2: the shard's checksum is rank 1's to compute (files are
+    shared out by rank), so rank 1 finds the flipped bit and every rank stops on its line."""
+    ckpt = tmp_path / "ckpt"
+    code, out, err = specc("train", GPT_TINY, "--train-iters", "1", "--save", ckpt, "--data-path", corpus,
+                           "--run-dir", tmp_path / "a", *SMALL)
+    assert code == 0, out + err
+    shard = ckpt / "step_0000001" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code, out, err = specc("train", GPT_TINY, "--nproc-per-node", "2", "--tp", "2", "--train-iters", "2", "--load",
+                           ckpt, "--data-path", corpus, "--run-dir", tmp_path / "b", *SMALL)
+    assert code == 2, out + err
+    line = _one_error_line(err)
+    assert line.startswith(f"error: {ckpt / 'step_0000001'}: file __0_0.distcp is corrupt (crc32 "), line

@@ -104,7 +104,7 @@ def test_one_rank_with_max_restarts_is_launched_under_torchrun(specc, corpus, tm
     assert code == 0, out + err
     assert "launching 1 rank: torchrun --nproc-per-node 1 --nnodes 1 --max-restarts 1 -m specc_torch.train" in err
     (cmd,) = launched
-    assert cmd[1:3] == ["-m", "torch.distributed.run"] and cmd[cmd.index("--max-restarts") + 1] == "1"
+    assert cmd[1:3] == ["-m", "specc_torch.torchrun"] and cmd[cmd.index("--max-restarts") + 1] == "1"
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained here
 
 
