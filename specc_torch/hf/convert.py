@@ -13,6 +13,7 @@ interleaved (specc's rotary op rotates halves, as HF Llama's weights already do)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -62,17 +63,43 @@ def model_params(spec_path: str, overrides: dict | None = None, with_graph: bool
 
 # -- layout transforms ---------------------------------------------------------------------------------
 
-def _interleaved_to_half(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows of each head from (x0, y0, x1, y1, ...) to (x0, x1, ..., y0, y1, ...)."""
-    rows = t.shape[0]
-    heads = t.reshape(rows // head_dim, head_dim // 2, 2, *t.shape[1:])
-    return heads.transpose(1, 2).reshape(t.shape)
+def _interleaved_to_half(t: torch.Tensor, head_dim: int, rotary_dim: int | None = None) -> torch.Tensor:
+    """The first rotary_dim rows of each head (all, by default) from (x0, y0, x1, y1, ...) to
+    (x0, x1, ..., y0, y1, ...); the rows that do not rotate stay where they are."""
+    r = rotary_dim or head_dim
+    heads = t.reshape(t.shape[0] // head_dim, head_dim, *t.shape[1:])
+    turned = heads[:, :r].reshape(heads.shape[0], r // 2, 2, *t.shape[1:]).transpose(1, 2)
+    return torch.cat([turned.reshape(heads.shape[0], r, *t.shape[1:]), heads[:, r:]], dim=1).reshape(t.shape)
 
 
-def _half_to_interleaved(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    rows = t.shape[0]
-    heads = t.reshape(rows // head_dim, 2, head_dim // 2, *t.shape[1:])
-    return heads.transpose(1, 2).reshape(t.shape)
+def _half_to_interleaved(t: torch.Tensor, head_dim: int, rotary_dim: int | None = None) -> torch.Tensor:
+    r = rotary_dim or head_dim
+    heads = t.reshape(t.shape[0] // head_dim, head_dim, *t.shape[1:])
+    turned = heads[:, :r].reshape(heads.shape[0], 2, r // 2, *t.shape[1:]).transpose(1, 2)
+    return torch.cat([turned.reshape(heads.shape[0], r, *t.shape[1:]), heads[:, r:]], dim=1).reshape(t.shape)
+
+
+def with_rotary(mapping: Mapping, graph, spec_name: str) -> Mapping:
+    """The mapping with the rotary features its interleaved permutation covers, read from the
+    spec's rotary ops: their head_dim must be the mapping's, and their rotary_dim is what turns
+    (a partial rotary op under a whole-head permutation imported GPT-J off by 0.53)."""
+    if mapping.rotary_layout != "interleaved":
+        return mapping
+    from specc.ops import OPS
+
+    rotary = OPS["rotary"]
+    dims = sorted({(op.attrs["head_dim"], rotary.rotary_dim(op.attrs)) for op in graph.iter_ops() if op.kind == "rotary"})
+    if not dims:
+        raise HFError(f"spec {spec_name}: hf.rotary says layout interleaved, but the spec has no rotary op "
+                      "(drop hf.rotary)")
+    if len(dims) > 1:
+        raise HFError(f"spec {spec_name}: its rotary ops rotate different features ({dims}), which one hf.rotary "
+                      "permutation cannot cover")
+    head_dim, rotary_dim = dims[0]
+    if mapping.rotary_head_dim != head_dim:
+        raise HFError(f"spec {spec_name}: hf.rotary.head_dim is {mapping.rotary_head_dim}, but its rotary ops' "
+                      f"head_dim is {head_dim}")
+    return dataclasses.replace(mapping, rotary_dim=rotary_dim)
 
 
 def _grouped_to_sections(t: torch.Tensor, groups: int, sections: tuple) -> torch.Tensor:
@@ -102,13 +129,13 @@ def _to_specc(t: torch.Tensor, mapping: Mapping, transpose: bool, rotary: bool, 
     if permute is not None:
         t = _grouped_to_sections(t, *permute)
     if rotary and mapping.rotary_layout == "interleaved":
-        t = _interleaved_to_half(t, mapping.rotary_head_dim)
+        t = _interleaved_to_half(t, mapping.rotary_head_dim, mapping.rotary_dim)
     return t
 
 
 def _to_hf(t: torch.Tensor, mapping: Mapping, transpose: bool, rotary: bool, permute=None) -> torch.Tensor:
     if rotary and mapping.rotary_layout == "interleaved":
-        t = _half_to_interleaved(t, mapping.rotary_head_dim)
+        t = _half_to_interleaved(t, mapping.rotary_head_dim, mapping.rotary_dim)
     if permute is not None:
         t = _sections_to_grouped(t, *permute)
     if transpose:
@@ -419,7 +446,7 @@ def import_hf(hf_dir: str, spec_path: str, out: str, overrides: dict | None = No
     """Import HF_DIR into a new specc checkpoint directory OUT (step 0). Returns a summary."""
     _fresh_output(out)
     spec, identity, params, graph = model_params(spec_path, overrides, with_graph=True)
-    mapping = mapping_of(spec)
+    mapping = with_rotary(mapping_of(spec), graph, spec.name)
     bound = bind(mapping, params, spec.name)
     config = read_hf_config(hf_dir)
     check_config(mapping, config, hf_dir, spec.name)
@@ -479,8 +506,8 @@ def export_hf(ckpt: str, spec_path: str, out: str, overrides: dict | None = None
     new Hugging Face directory OUT. Returns a summary."""
     save_file = _safetensors().torch.save_file
     _fresh_output(out)
-    spec, identity, params = model_params(spec_path, overrides)
-    mapping = mapping_of(spec)
+    spec, identity, params, graph = model_params(spec_path, overrides, with_graph=True)
+    mapping = with_rotary(mapping_of(spec), graph, spec.name)
     bound = bind(mapping, params, spec.name)
     path = resolve(ckpt, step)
     info = read_info(path)

@@ -61,6 +61,9 @@ class Mapping:
     entries: list = field(default_factory=list)
     ignore: list = field(default_factory=list)  # name patterns
     loc: Loc | None = None
+    # features of each head that rotate, read from the spec's rotary ops (convert.with_rotary):
+    # the interleaved permutation covers those only (GPT-J rotates 64 of 256)
+    rotary_dim: int | None = None
 
 
 def _plain(value):

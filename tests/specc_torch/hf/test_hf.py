@@ -23,7 +23,8 @@ import specc_torch
 from runtime.checkpoint import load_checkpoint, read_info
 from specc.errors import SpecError
 from specc_torch.hf import HFError, export_hf, import_hf
-from specc_torch.hf.convert import _half_to_interleaved, _interleaved_to_half
+from specc_torch.hf.convert import _half_to_interleaved, _interleaved_to_half, model_params, with_rotary
+from specc_torch.hf.mapping import mapping_of
 
 pytest.importorskip("transformers")
 FAMILIES = ["gpt", "llama"]
@@ -110,6 +111,41 @@ def test_the_interleaved_rotary_permutation_keeps_attention_scores():
     assert torch.allclose(scores(rotary(x @ wq2.t()), rotary(x @ wk2.t())), reference, atol=1e-4)
     assert torch.equal(_half_to_interleaved(wq2, d), wq)  # export undoes import exactly
     assert not torch.allclose(scores(rotary(x @ wq.t()), rotary(x @ wk.t())), reference, atol=1e-2)
+
+
+def test_a_partial_rotary_permutes_only_the_features_that_rotate(tmp_path):
+    """GPT-J rotates interleaved pairs of the first rotary_dim features of each head and passes
+    the rest through: the import permutation moves those rows only, as the spec's rotary op reads
+    them (a whole-head permutation imported GPT-J written this way off by 0.53). The rotary
+    features are the spec's rotary ops': its hf.rotary head_dim must match theirs."""
+    torch.manual_seed(0)
+    heads, d, r, s, hidden = 3, 8, 4, 6, 16
+    wq, wk, x = torch.randn(heads * d, hidden), torch.randn(heads * d, hidden), torch.randn(s, 1, hidden)
+
+    def scores(q, k):
+        return torch.einsum("shd,thd->hst", q.reshape(s, heads, d), k.reshape(s, heads, d))
+
+    gptj = runtime.RotaryEmbedding(d, rotary_dim=r, interleaved=True)  # HF's layout, as GPT-J computes it
+    reference = scores(gptj(x @ wq.t()), gptj(x @ wk.t()))
+    half = runtime.RotaryEmbedding(d, rotary_dim=r)  # specc's op: rotate-half on the first r features
+    wq2, wk2 = _interleaved_to_half(wq, d, r), _interleaved_to_half(wk, d, r)
+    assert torch.allclose(scores(half(x @ wq2.t()), half(x @ wk2.t())), reference, atol=1e-4)
+    assert torch.equal(wq2.reshape(heads, d, hidden)[:, r:], wq.reshape(heads, d, hidden)[:, r:])  # passed through
+    assert torch.equal(_half_to_interleaved(wq2, d, r), wq)
+    whole = _interleaved_to_half(wq, d), _interleaved_to_half(wk, d)  # the old whole-head permutation
+    assert not torch.allclose(scores(half(x @ whole[0].t()), half(x @ whole[1].t())), reference, atol=1e-2)
+
+    neox = os.path.join(os.path.dirname(SPECS["llama"]), "gpt-neox-tiny.yaml")  # 4 heads of 16, rotary on 4
+    for head_dim, expected in ((16, 4), (8, None)):
+        spec_path = tmp_path / f"gptj{head_dim}.yaml"
+        spec_path.write_text(f"name: gptj_like\nextends: {neox}\nhf:\n  rotary: {{layout: interleaved, head_dim: "
+                             f"{head_dim}}}\n")
+        spec, _, _, graph = model_params(str(spec_path), with_graph=True)
+        if expected is None:
+            with pytest.raises(HFError, match="hf.rotary.head_dim is 8, but its rotary ops' head_dim is 16"):
+                with_rotary(mapping_of(spec), graph, spec.name)
+        else:
+            assert with_rotary(mapping_of(spec), graph, spec.name).rotary_dim == expected
 
 
 def test_hf_logits_without_the_mapping_differ(tmp_path):
