@@ -30,12 +30,42 @@ def _rope(config: dict) -> dict:
     return out
 
 
+def _rope_layers(config: dict, n: int) -> list:
+    """Hugging Face's rotary settings for each of the model's n rotary ops: one set for all, or
+    (Gemma 3, transformers 5) rope_parameters keyed by layer type, picked per layer by
+    layer_types (cycled, as _windows does). A layer calls its rotary for q and for k: with
+    num_hidden_layers dividing n, op i is in layer i // (n / layers). Keyed settings without
+    layer_types to pick them by ask for the keyed dict itself, which no op models."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        types = config.get("layer_types")
+        if not (isinstance(types, list) and types):
+            return [{"rope_theta": params, "rope_type": params}] * n
+        layers = config.get("num_hidden_layers")
+        per_layer = n // layers if isinstance(layers, int) and layers > 0 and n % layers == 0 else 1
+        out = []
+        for i in range(n):
+            kind = types[(i // per_layer) % len(types)]
+            per_type = params.get(kind) if isinstance(kind, str) else None
+            if per_type is None:  # a layer type with no settings: asked for by name
+                out.append({"rope_theta": f"no rope_parameters for {kind}", "rope_type": kind})
+                continue
+            out.append(_rope({**{k: v for k, v in config.items() if k != "rope_parameters"},
+                              "rope_parameters": per_type}))
+        return out
+    return [_rope(config)] * n
+
+
 def _rope_key(key: str, scalings: tuple = ()):
+    """requested(): a rotary setting per op; one that belongs to some scalings only (a factor) is
+    asked for on the layers whose rope_type is one of them, and none elsewhere (the op's
+    `modeled` says none when it does not scale that way)."""
     def requested(config, n):
-        rope = _rope(config)
-        if key not in rope or (scalings and rope.get("rope_type") not in scalings):
+        ropes = _rope_layers(config, n)
+        applies = [not scalings or rope.get("rope_type") in scalings for rope in ropes]
+        if not any(key in rope and ok for rope, ok in zip(ropes, applies)):
             return None
-        return [rope[key]] * n
+        return [rope.get(key) if ok else None for rope, ok in zip(ropes, applies)]
     return requested
 
 
@@ -101,11 +131,14 @@ class Rotary(OpKind):
             HFKnob("partial_rotary_factor", _rope_key("partial_rotary_factor"),
                    lambda a: self.rotary_dim(a) / a["head_dim"]),
             HFKnob("rope_type", _rope_key("rope_type"), lambda a: {"none": "default"}.get(a["scaling"], a["scaling"])),
-            HFKnob("rope factor", _rope_key("factor", ("linear", "llama3")), lambda a: a["factor"]),
-            HFKnob("rope low_freq_factor", _rope_key("low_freq_factor", ("llama3",)), lambda a: a["low_freq_factor"]),
-            HFKnob("rope high_freq_factor", _rope_key("high_freq_factor", ("llama3",)), lambda a: a["high_freq_factor"]),
+            HFKnob("rope factor", _rope_key("factor", ("linear", "llama3")),
+                   lambda a: a["factor"] if a["scaling"] in ("linear", "llama3") else None),
+            HFKnob("rope low_freq_factor", _rope_key("low_freq_factor", ("llama3",)),
+                   lambda a: a["low_freq_factor"] if a["scaling"] == "llama3" else None),
+            HFKnob("rope high_freq_factor", _rope_key("high_freq_factor", ("llama3",)),
+                   lambda a: a["high_freq_factor"] if a["scaling"] == "llama3" else None),
             HFKnob("rope original_max_position_embeddings", _rope_key("original_max_position_embeddings", ("llama3",)),
-                   lambda a: a["original_max_positions"]),
+                   lambda a: a["original_max_positions"] if a["scaling"] == "llama3" else None),
         )
 
     def rule_tp(self, attrs, ctx):
@@ -306,6 +339,35 @@ class CoreAttention(OpKind):
         fwd = [("send", step), ("recv", step)] * (n - 1)
         bwd = [("send", step), ("recv", step)] * (2 * n - 1)
         return fwd, bwd
+
+    def comm_axis(self, node, collective):
+        return "cp"  # K/V over the context-parallel group (the ring's sends, or the all-gather)
+
+    def comm_hidden(self, node):
+        # runtime/context_parallel.py: each ring step's send runs beside the current block's
+        # computation, forward and backward; the all-gather comes before the computation
+        ring = node.attrs.get("cp_comm_type_resolved", "p2p") == "p2p"
+        return (1.0, 1.0) if ring else (0.0, 0.0)
+
+    def memory_traffic(self, node, local_in, local_out, elt):
+        """A fused kernel (flash, TE, SDPA's) keeps the s x s scores on chip: its memory traffic is
+        q, k, v and the output, small next to its GEMMs, counted as none. The unfused path (and
+        soft-capping, which takes it) writes the scores to memory and passes over them: forward
+        QK^T writes them, softmax reads and writes them, PV reads them (4 passes); backward
+        the probabilities' gradient is written, read with the probabilities by softmax's backward
+        and its output written and read by the two GEMMs (6 passes); dropout on the probabilities
+        adds a read, a write and its one-byte mask each way."""
+        a = node.attrs
+        if node.impl != "unfused" and not a.get("softcap"):
+            return 0, 0
+        if node.in_layouts and node.in_layouts[0]["cp"] == "S(s)":
+            return 0, 0  # runtime.context_parallel runs blocks the flash way, whatever the backend
+        q, k = local_in[0], local_in[1]
+        heads = q[-1] // a["head_dim"]
+        scores = q[1] * heads * q[0] * k[0]
+        drop = (2 * elt + 1) * scores if a["dropout"] > 0 else 0
+        capped = 2 * elt * scores if a.get("softcap") else 0
+        return 4 * elt * scores + drop + capped, 6 * elt * scores + drop + capped
 
     def flops(self, node, local_in, local_out, mesh):
         """Q K^T and the probabilities times V: 2 * 2 * b * pairs * heads * head_dim forward, over

@@ -166,6 +166,33 @@ def test_configs_the_ops_do_not_model_are_refused(tmp_path):
         f"{tmp_path}/d/hf: config.json asks for final_logit_softcapping = none, but spec gemma2_tiny's softcap ops model 2.0")
 
 
+def test_rope_parameters_per_layer_type_are_checked_per_layer():
+    """Gemma 3's rope_parameters, one set per layer type (transformers 5): each layer's rotary is
+    checked against the set its layer type names. They were not read at all (a spec with the two
+    bases swapped imported cleanly, off by 5.4); gemma2-tiny has one base, 10000, on every layer."""
+    gemma2 = model_params(FAMILIES["gemma2"], with_graph=True)[3]
+    types = ["sliding_attention", "full_attention"]
+    same = {"rope_type": "default", "rope_theta": 10000.0}
+    assert [op.id for op in gemma2.iter_ops() if op.kind == "rotary"][:2] == [
+        "layers.0.self_attention.rotary", "layers.0.self_attention.rotary#2"]  # q's and k's: two per layer
+    check_modeled(gemma2, {"layer_types": types, "sliding_window": 4, "num_hidden_layers": 3,
+                           "rope_parameters": {"sliding_attention": same, "full_attention": same}}, "x", "gemma2_tiny")
+    for params, message in [
+        ({"sliding_attention": same, "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+         "rope_theta = 1000000.0, but spec gemma2_tiny models 10000.0 at layers.1.self_attention.rotary"),
+        ({"sliding_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}, "full_attention": same},
+         'rope_type = "linear", but spec gemma2_tiny models "default" at layers.0.self_attention.rotary'),
+        ({"sliding_attention": same}, 'rope_theta = "no rope_parameters for full_attention", but spec gemma2_tiny'),
+    ]:
+        with pytest.raises(HFError) as e:
+            check_modeled(gemma2, {"layer_types": types, "sliding_window": 4, "num_hidden_layers": 3,
+                                   "rope_parameters": params}, "x", "gemma2_tiny")
+        assert str(e.value).startswith(f"x: config.json asks for {message}"), str(e.value)
+    with pytest.raises(HFError, match="rope_theta = .*sliding_attention"):  # keyed by type, no layer_types
+        check_modeled(gemma2, {"rope_parameters": {"sliding_attention": same, "full_attention": same}}, "x",
+                      "gemma2_tiny")
+
+
 @pytest.mark.parametrize("key, value, what", [
     ("final_logit_softcapping", 4.0, "loss"),
     ("attn_logit_softcapping", 2.0, "logits"),
