@@ -235,6 +235,25 @@ class OpKind:
     def collectives(self, node, full_in: list, elt: int, mesh) -> tuple:
         return [], []
 
+    # -- time (specc/plan/time.py): where its collectives run, what overlaps, memory traffic ----
+    def comm_axis(self, node, collective: str) -> str:
+        """The mesh axis (tp, cp, ep) whose group runs one of the collectives `collectives` lists."""
+        return "tp"
+
+    def comm_hidden(self, node) -> tuple:
+        """(forward, backward): the share of this op's matrix-multiply time during which the
+        runtime runs the op's own collectives concurrently (0: they run before or after it; 1:
+        beside all of it). Only what the runtime really overlaps."""
+        return 0.0, 0.0
+
+    def memory_traffic(self, node, local_in: list, local_out: list, elt: int) -> tuple:
+        """(forward, backward) bytes this op's memory-bound kernels read and write on one rank,
+        apart from its matrix multiplies (which `flops` times). By default an elementwise kernel:
+        forward reads the inputs and writes the outputs; backward reads the outputs' gradients
+        and the saved inputs and writes the inputs' gradients, about twice that."""
+        forward = (sum(numel(s) for s in local_in) + sum(numel(s) for s in local_out)) * elt
+        return forward, 2 * forward
+
     # -- activation memory: bytes kept for backward on one rank --------------------------
     def saved_bytes(self, node, local_in: list, local_out: list, elt: int) -> list:
         """[(key, bytes)] kept for backward; a key names a tensor, so a tensor two ops keep counts once."""

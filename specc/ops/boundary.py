@@ -53,6 +53,12 @@ class BoundaryOp(OpKind):
             bwd = []
         return fwd, bwd
 
+    def comm_axis(self, node, collective):
+        return node.attrs["axis"]
+
+    def memory_traffic(self, node, local_in, local_out, elt):
+        return 0, 0  # its collective is its cost (a split keeps a view)
+
     def name_suffix(self, node) -> str:
         return SUFFIX[node.attrs["dst"]] if node.attrs["axis"] == "tp" else f"{node.attrs['axis']}_{SUFFIX[node.attrs['dst']]}"
 

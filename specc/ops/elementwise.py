@@ -240,6 +240,13 @@ class Dropout(OpKind):
     def saved_bytes(self, node, local_in, local_out, elt):
         return [(node.id + ":mask", numel(local_in[0]))] if node.attrs["p"] > 0 else []
 
+    def memory_traffic(self, node, local_in, local_out, elt):
+        if node.attrs["p"] == 0:
+            return 0, 0  # the identity
+        # read x, write y and the one-byte mask; backward reads the gradient and the mask, writes one
+        forward = numel(local_in[0]) * (2 * elt + 1)
+        return forward, forward
+
     def constructor(self, node, ctx):
         layout = node.in_layouts[0]["tp"]
         stream = "default" if layout in ("I", "R") else "tensor-parallel"
@@ -261,6 +268,9 @@ class Split(OpKind):
 
     def out_count(self, attrs):
         return len(attrs["sections"])
+
+    def memory_traffic(self, node, local_in, local_out, elt):
+        return 0, 0  # views of its input
 
     def out_shapes(self, attrs, shapes, fail):
         x = shapes[0]

@@ -156,6 +156,16 @@ class Linear(OpKind):
                 bwd.append(("all_reduce", nbytes))
         return fwd, bwd
 
+    def comm_hidden(self, node):
+        # runtime/layers.py: forward gathers before the GEMM; backward re-gathers beside the
+        # grad-input GEMM and reduce-scatters (or all-reduces) grad-input beside the weight-gradient
+        # GEMM, half of backward's multiply time; a copy's all-reduce runs beside the wgrad GEMM only
+        modes = {a.mode for a in node.absorbed}
+        return 0.0, (1.0 if "gather" in modes else 0.5 if "copy" in modes else 0.0)
+
+    def memory_traffic(self, node, local_in, local_out, elt):
+        return 0, 0  # a GEMM (its bias added in the GEMM's epilogue): `flops` times it
+
     def saved_bytes(self, node, local_in, local_out, elt):
         # the weight gradient needs the input; an absorbed sequence gather keeps only the shard
         return [(node.inputs[0], numel(local_in[0]) * elt)]

@@ -28,6 +28,14 @@ class Entry:
     count: int = 1
     flops: tuple = (0, 0)  # (forward, backward) matrix-multiply FLOPs on one rank, one instance
     weights: tuple = ()  # ((name, shape on one rank), ...) of the weights the op owns
+    # for the time model (specc/plan/time.py): the mesh axis of each forward and backward
+    # collective, the share of the op's GEMM time its collectives run beside (forward, backward),
+    # the bytes its memory-bound kernels move (forward, backward), and whether backward runs the
+    # forward again (recompute: then backward's first len(forward) collectives are the forward's)
+    comm_axes: tuple = ((), ())
+    comm_hidden: tuple = (0.0, 0.0)
+    memory: tuple = (0, 0)
+    recomputed: bool = False
 
 
 @dataclass
@@ -80,6 +88,9 @@ def _entry(graph, op, elt: int) -> Entry:
     local_in, local_out = _local_shapes(graph, op)
     entry.flops = tuple(kind.flops(op, local_in, local_out, graph.mesh))
     entry.weights = tuple((w.name, _local_weight_shape(w, graph.spec.settings)) for w in kind.weights(op.attrs))
+    entry.comm_axes = (tuple(kind.comm_axis(op, k) for k, _ in fwd), tuple(kind.comm_axis(op, k) for k, _ in bwd))
+    entry.comm_hidden = tuple(kind.comm_hidden(op))
+    entry.memory = tuple(kind.memory_traffic(op, local_in, local_out, elt))
     entry.saved_items = _saved(graph, op, elt)
     entry.saved = sum(b for _, b in entry.saved_items)
     return entry
@@ -111,6 +122,8 @@ def _recompute(graph, raw: list) -> None:
             e.notes.append(f"recompute {region.granularity}")
         e.saved = sum(b for _, b in e.saved_items)
         e.backward = list(e.forward) + list(e.backward)  # the recompute repeats the forward's collectives
+        e.comm_axes = (e.comm_axes[0], e.comm_axes[0] + e.comm_axes[1])
+        e.memory = (e.memory[0], e.memory[0] + e.memory[1])
         e.recomputed = True
 
 
@@ -196,12 +209,13 @@ def _instances(repeats: dict, name: str) -> list:
 
 def _signature(e: Entry, prefix: str):
     return (e.name[len(prefix):], e.kind, e.impl, tuple(e.layouts_in), tuple(e.layouts_out), tuple(e.forward),
-            tuple(e.backward), e.saved, tuple(n.replace(prefix, "") for n in e.notes), e.flops, e.weights)
+            tuple(e.backward), e.saved, tuple(n.replace(prefix, "") for n in e.notes), e.flops, e.weights,
+            e.comm_axes, e.comm_hidden, e.memory, e.recomputed)
 
 
 def _renamed(e: Entry, name: str, count: int) -> Entry:
     out = Entry(name, e.kind, e.impl, e.impl_reason, e.layouts_in, e.layouts_out, e.forward, e.backward, e.saved,
-                e.notes, count, e.flops, e.weights)
+                e.notes, count, e.flops, e.weights, e.comm_axes, e.comm_hidden, e.memory, e.recomputed)
     out.saved_items = e.saved_items
     return out
 
