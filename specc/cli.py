@@ -59,10 +59,49 @@ def cmd_schema(args) -> int:
 def cmd_plan(args) -> int:
     from .plan import build_plan, plan_json, plan_text
 
-    _, graph = compile_args(args)
+    machine, job = _prediction_args(args)
+    spec, graph = compile_args(args)
     plan = build_plan(graph)
-    sys.stdout.write(plan_json(plan) if args.json else plan_text(plan))
+    if machine is None:
+        sys.stdout.write(plan_json(plan) if args.json else plan_text(plan))
+        return 0
+    import json
+
+    from .plan.render import plan_dict, prediction_text
+    from .plan.time import predict
+
+    shape = spec.inputs[0].shape if spec.inputs else (plan.settings.micro_batch_size,)
+    tokens = 1
+    for d in shape:
+        tokens *= d
+    pred = predict(plan, tokens // plan.settings.micro_batch_size, machine, job)
+    if args.json:
+        sys.stdout.write(json.dumps({**plan_dict(plan), "prediction": pred}, indent=2) + "\n")
+    else:
+        sys.stdout.write(plan_text(plan) + prediction_text(pred))
     return 0
+
+
+def _prediction_args(args):
+    """(Machine, Job) of --machine, --num-gpus, --global-batch-size, --use-distributed-optimizer;
+    (None, None) without --machine. Checked before anything compiles."""
+    given = [flag for flag, value in (("--num-gpus", args.num_gpus), ("--global-batch-size", args.global_batch_size))
+             if value is not None] + (["--use-distributed-optimizer"] if args.use_distributed_optimizer else [])
+    if args.machine is None:
+        if given:
+            raise SpecError(Loc(given[0]), "has no effect without --machine", "add --machine NAME (specc plan "
+                            "--machine dgx-a100-80gb ...), or drop it")
+        return None, None
+    for flag, value in (("--num-gpus", args.num_gpus), ("--global-batch-size", args.global_batch_size)):
+        if value is None:
+            raise SpecError(Loc(f"--machine {args.machine}"), f"needs {flag} too", "the prediction is of a whole "
+                            "job: --num-gpus N --global-batch-size B")
+        if value < 1:
+            raise SpecError(Loc(f"{flag} {value}"), "must be at least 1")
+    from .plan.machine import load_machine
+    from .plan.time import Job
+
+    return load_machine(args.machine), Job(args.num_gpus, args.global_batch_size, args.use_distributed_optimizer)
 
 
 def cmd_graph(args) -> int:
@@ -223,6 +262,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("spec", metavar="SPEC")
     spec_flags(c)
     c.add_argument("--json", action="store_true", help="print JSON instead of text")
+    g = c.add_argument_group("prediction (docs/planning.md)")
+    g.add_argument("--machine", default=None, metavar="NAME|FILE",
+                   help="predict the step on a machine profile: a shipped name (dgx-a100-80gb, dgx-h100-80gb, "
+                   "dgx-h200) or a profile file")
+    g.add_argument("--num-gpus", type=int, default=None, metavar="N",
+                   help="GPUs of the job; the data-parallel size is N / (tp x cp x pp)")
+    g.add_argument("--global-batch-size", type=int, default=None, metavar="B",
+                   help="samples per step, over micro-batches and data-parallel ranks")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Adam's state sharded over the data-parallel ranks (gradients reduce-scattered, "
+                   "parameters all-gathered)")
     c.set_defaults(func=cmd_plan)
 
     c = sub.add_parser("diff", help="compare two plans (specs with their own flags, or saved plan.json files); "

@@ -157,3 +157,45 @@ def plan_dict(plan) -> dict:
 
 def plan_json(plan) -> str:
     return json.dumps(plan_dict(plan), indent=2, sort_keys=False) + "\n"
+
+
+def prediction_text(pred: dict) -> str:
+    """The time model's section of `specc plan --machine M` (specc/plan/time.py)."""
+    from .time import label
+
+    lay, mem = pred["layout"], pred["memory"]
+    vpp = f" x vpp {lay['vpp']}" if lay["vpp"] > 1 else ""
+    ep = f" (ep {lay['ep']} inside dp)" if lay["ep"] > 1 else ""
+    step = pred["step_time_s"]
+    lines = [
+        "",
+        f"predicted step on {pred['machine']} ({pred['device']}): {pred['num_gpus']} GPUs = tp {lay['tp']} x cp "
+        f"{lay['cp']} x pp {lay['pp']}{vpp} x dp {lay['dp']}{ep}; global batch {pred['global_batch_size']} = "
+        f"{pred['micro_batches']} micro-batches of {lay['micro_batch_size']} per data-parallel rank",
+        f"  step time          {step:12.4f} s",
+        f"  tokens/s           {pred['tokens_per_s']:12,.0f}",
+        f"  TFLOP/s per GPU    {pred['tflops_per_gpu']:12.1f}   model FLOPs (Megatron's count); "
+        f"{pred['tflops_per_gpu_with_recompute']:.1f} with recompute's",
+        f"  MFU                {100 * pred['mfu']:11.1f}%   of {pred['peak_tflops']:.1f} TFLOP/s ({pred['dtype']}); "
+        f"{100 * pred['hfu']:.1f}% with recompute's FLOPs",
+        "  where the step goes:",
+    ]
+    for part, seconds in pred["breakdown_s"].items():
+        if seconds > 0:
+            lines.append(f"    {label(pred, part):<62}{seconds:10.4f} s  {100 * seconds / step:5.1f}%")
+    lines.append(f"  binds: {pred['binding']}")
+    shard = f"sharded over dp {lay['dp']}" if mem["optimizer_sharded_over_dp"] else \
+        "not sharded (--use-distributed-optimizer shards it over dp)"
+    where = f" (pipeline rank {mem['pipeline_rank']}, the fullest)" if lay["pp"] > 1 else ""
+    lines += [
+        f"  memory per GPU{where}:",
+        f"    weights            {human_bytes(mem['weights']):>12}",
+        f"    gradients          {human_bytes(mem['gradients']):>12}   (fp32 main_grad buffer)",
+        f"    optimizer state    {human_bytes(mem['optimizer']):>12}   (Adam, {shard})",
+        f"    activations        {human_bytes(mem['activations']):>12}   ({mem['micro_batches_in_flight']} "
+        f"micro-batch{'es' if mem['micro_batches_in_flight'] != 1 else ''} in flight at the schedule's peak)",
+        f"    framework          {human_bytes(mem['framework']):>12}   (allowance: CUDA context, NCCL, workspaces)",
+        f"    total              {human_bytes(mem['total']):>12}   of {human_bytes(mem['capacity'])}: "
+        + ("fits" if mem["fits"] else "DOES NOT FIT"),
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,141 @@
+"""Machine profiles: what the time model (specc/plan/time.py) knows of a cluster, as data.
+
+A profile is a YAML file (the shipped ones in specc/plan/machines/, every number with its source):
+devices per node; per device the dense matrix-multiply peak per dtype, memory capacity and
+bandwidth; the intra-node and inter-node links (bandwidth per GPU each way, latency per step);
+how much of each peak real kernels reach (`efficiency`); and a memory allowance for the framework.
+`--machine` takes a shipped profile's name or a profile file's path."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import Loc, SpecError
+
+MACHINES_DIR = os.path.join(os.path.dirname(__file__), "machines")
+DTYPES = ("bf16", "fp16", "tf32", "fp32")
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bandwidth: float  # bytes/s per GPU, each way
+    latency: float  # seconds per algorithm step
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    description: str
+    devices_per_node: int
+    device: str
+    peak_flops: dict  # dtype -> dense matmul FLOP/s
+    memory_bytes: float
+    memory_bandwidth: float  # bytes/s
+    intra_node: Link
+    inter_node: Link
+    gemm_efficiency: float  # of peak, for a large GEMM
+    gemm_half_flops: float  # a GEMM of this many FLOPs reaches half of that
+    memory_efficiency: float  # of memory_bandwidth, for memory-bound kernels
+    link_efficiency: float  # of a link's bandwidth, for a large collective
+    framework_memory_bytes: float
+    source: str  # the profile's name or path, as given
+
+    def peak(self, dtype: str) -> float:
+        return self.peak_flops[dtype]
+
+
+def known_machines() -> list:
+    return sorted(f[:-5] for f in os.listdir(MACHINES_DIR) if f.endswith(".yaml"))
+
+
+def load_machine(name_or_path: str) -> Machine:
+    """A shipped profile by name, or a profile file; a bad one is one located line."""
+    names = known_machines()
+    if name_or_path in names:
+        path = os.path.join(MACHINES_DIR, name_or_path + ".yaml")
+    elif name_or_path.endswith((".yaml", ".yml", ".json")) or os.sep in name_or_path:
+        path = name_or_path
+    else:
+        raise SpecError(Loc(f"--machine {name_or_path}"), "no such machine profile",
+                        f"known machines: {', '.join(names)}; or give a profile file's path")
+    import stat
+
+    from ..frontend.yamlload import load_yaml, read_text
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        raise SpecError(Loc(f"--machine {name_or_path}"), f"no such profile file {path}",
+                        f"known machines: {', '.join(names)}") from None
+    if not stat.S_ISREG(mode):  # a folder, a FIFO (reading would hang), a device
+        raise SpecError(Loc(f"--machine {name_or_path}"), f"{path} is not a regular file",
+                        f"known machines: {', '.join(names)}; or give a profile file's path")
+    doc = load_yaml(read_text(path), path)
+    return _machine(doc, path, name_or_path)
+
+
+def _machine(doc, path: str, source: str) -> Machine:
+    top = Loc(path, 1, 1)
+
+    def mapping(parent, key):
+        value = parent.get(key) if isinstance(parent, dict) else None
+        if not isinstance(value, dict):
+            where = parent.key_loc(key) if hasattr(parent, "key_loc") and key in parent else getattr(parent, "loc", top)
+            raise SpecError(where, f"the profile needs a mapping '{key}'", "see specc/plan/machines/dgx-a100-80gb.yaml")
+        return value
+
+    def number(parent, key, least=0.0, most=None, integer=False):
+        if key not in parent:
+            raise SpecError(getattr(parent, "loc", top), f"the profile needs '{key}'",
+                            "see specc/plan/machines/dgx-a100-80gb.yaml")
+        value = parent[key]
+        loc = parent.value_loc(key) if hasattr(parent, "value_loc") else top
+        if isinstance(value, str) and not integer:  # YAML 1.1 reads 312.0e12 (no exponent sign) as text
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+        if integer:
+            ok = ok and isinstance(value, int)
+        if not ok or value <= least or (most is not None and value > most) or value == float("inf"):
+            bound = f" and at most {most}" if most is not None else ""
+            raise SpecError(loc, f"'{key}' must be a {'whole ' if integer else ''}number above {least}{bound}, "
+                            f"got {value!r}")
+        return float(value) if not integer else int(value)
+
+    def text(parent, key, default=""):
+        value = parent.get(key, default)
+        if not isinstance(value, str):
+            raise SpecError(parent.value_loc(key) if hasattr(parent, "value_loc") else top,
+                            f"'{key}' must be a string, got {value!r}")
+        return value
+
+    if not isinstance(doc, dict):
+        raise SpecError(top, "a machine profile is a mapping", "see specc/plan/machines/dgx-a100-80gb.yaml")
+    device = mapping(doc, "device")
+    peaks = mapping(device, "peak_flops")
+    unknown = sorted(str(k) for k in peaks if k not in DTYPES)
+    if unknown:
+        raise SpecError(peaks.key_loc(unknown[0]) if hasattr(peaks, "key_loc") else top,
+                        f"unknown dtype '{unknown[0]}' in peak_flops", f"expected {', '.join(DTYPES)}")
+    peak = {k: number(peaks, k) for k in DTYPES if k in peaks}
+    for need in ("bf16", "fp16", "fp32"):
+        if need not in peak:
+            number(peaks, need)  # the located "needs" error
+    eff = mapping(doc, "efficiency")
+    links = {}
+    for key in ("intra_node", "inter_node"):
+        m = mapping(doc, key)
+        links[key] = Link(text(m, "name", key), number(m, "bandwidth"), number(m, "latency", least=-1e-300))
+    return Machine(
+        name=text(doc, "name", os.path.basename(path)), description=text(doc, "description"),
+        devices_per_node=number(doc, "devices_per_node", integer=True), device=text(device, "name"),
+        peak_flops=peak, memory_bytes=number(device, "memory_bytes"),
+        memory_bandwidth=number(device, "memory_bandwidth"), intra_node=links["intra_node"],
+        inter_node=links["inter_node"], gemm_efficiency=number(eff, "gemm", most=1.0),
+        gemm_half_flops=number(eff, "gemm_half_flops", least=-1e-300),
+        memory_efficiency=number(eff, "memory", most=1.0), link_efficiency=number(eff, "link", most=1.0),
+        framework_memory_bytes=number(doc, "framework_memory_bytes", least=-1e-300), source=source)
