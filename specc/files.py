@@ -1,4 +1,11 @@
-"""Writing output files the way users expect: whole or not at all, with the usual permissions."""
+"""Writing output files the way users expect: whole or not at all, with the usual permissions,
+and only ever over a regular file. Anything else at the path (a FIFO, a device node, a socket, a
+folder, a symbolic link, even one to a regular file) is refused with one line naming the path and
+what it is, and nothing is written: os.replace over a device node would replace the node itself,
+and a link would send the bytes somewhere the user did not name.
+
+runtime/files.py holds the same check for the runtime's writers (specc imports nothing of the
+runtime, which imports torch); tests/specc/test_files.py checks that the two agree."""
 
 from __future__ import annotations
 
@@ -6,8 +13,62 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 import sys
 import tempfile
+
+from .errors import Loc, SpecError
+
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def not_a_file(path: str) -> str | None:
+    """What is at `path` when a writer must leave it alone ('a FIFO (named pipe)', 'a symbolic link
+    (to X)', ...); None when nothing is there or a regular file is."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (a missing parent: the write says so)
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    for test, name in _KINDS:
+        if test(mode):
+            if name == "a symbolic link":
+                try:
+                    return f"{name} (to {os.readlink(path)})"
+                except OSError:
+                    return name
+            return name
+    return "not a regular file"
+
+
+def check_replaceable(path: str, flag: str = "") -> None:
+    """Raise a SpecError (one line) unless a writer may put a regular file at `path`. flag: the
+    option that named the path, for the message (e.g. '-o')."""
+    if not path:
+        raise SpecError(Loc(flag or "output"), "the output path is empty", "give the file to write")
+    what = not_a_file(path)
+    if what is not None:
+        raise SpecError(Loc(path), f"is {what}, not a regular file: specc replaces only regular files, and left "
+                        "it as it is", "give another path")
+
+
+def atomic_write(path: str, write) -> None:
+    """write(binary file) into a temp file beside `path`, then rename it over `path` (a regular
+    file or nothing: checked before and just before the rename): readers never see half."""
+    check_replaceable(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".specc-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        make_public(tmp)
+        check_replaceable(path)  # again: it may have changed while we wrote
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def make_public(path: str, base: int = 0o666) -> None:
@@ -18,17 +79,9 @@ def make_public(path: str, base: int = 0o666) -> None:
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    """Write to a temp file beside `path`, then rename it over `path`: readers never see half."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".specc-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        make_public(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write to a temp file beside `path`, then rename it over `path`: readers never see half
+    (atomic_write, UTF-8)."""
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 @contextlib.contextmanager

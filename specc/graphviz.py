@@ -9,7 +9,7 @@ import shutil
 import subprocess
 
 from .errors import Loc, SpecError
-from .files import atomic_write_text
+from .files import atomic_write_text, check_replaceable
 from .ops import OPS
 
 
@@ -90,9 +90,11 @@ def to_dot(graph) -> str:
 def write_outputs(dot: str, path: str) -> list:
     """Write the .dot file (atomically) and, where Graphviz is installed, an SVG beside it."""
     out = [path]
+    svg = os.path.splitext(path)[0] + ".svg" if path and shutil.which("dot") else None
+    for target in (path, svg) if svg else (path,):  # both refused before either is written
+        _check_target(target)
     _atomic_write(path, dot)
-    if shutil.which("dot"):
-        svg = os.path.splitext(path)[0] + ".svg"
+    if svg:
         result = subprocess.run(["dot", "-Tsvg", path], capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise SpecError(Loc(path), f"graphviz failed: {result.stderr.strip().splitlines()[-1] if result.stderr else 'no output'}")
@@ -101,9 +103,19 @@ def write_outputs(dot: str, path: str) -> list:
     return out
 
 
-def _atomic_write(path: str, text: str) -> None:
-    if os.path.isdir(path):
+def _check_target(path: str) -> None:
+    if not path:
+        raise SpecError(Loc("-o"), "the output path is empty", "give the file to write, e.g. -o graph.dot")
+    if os.path.isdir(path) and not os.path.islink(path):
         raise SpecError(Loc(path), "is a folder, not a file", "give the file to write, e.g. -o graph.dot")
+    check_replaceable(path)  # a regular file or nothing: never a FIFO, a device or a link
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise SpecError(Loc(path), "output folder does not exist")
-    atomic_write_text(path, text)
+
+
+def _atomic_write(path: str, text: str) -> None:
+    _check_target(path)
+    try:
+        atomic_write_text(path, text)
+    except OSError as e:
+        raise SpecError(Loc(path), f"cannot write it: {e.strerror or e}") from None

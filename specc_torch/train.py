@@ -213,8 +213,10 @@ def check(cfg: TrainConfig, world_size: int):
 
 
 def output_rules(cfg: TrainConfig) -> list:
-    """--save, --run-dir and --tensorboard-dir name folders: each must be one, or be creatable."""
-    from runtime.checkpoint import CheckpointError, latest_step
+    """--save, --run-dir and --tensorboard-dir name folders: each must be one, or be creatable; the
+    files a run writes in them are regular files or nothing."""
+    from runtime.checkpoint import LATEST, CheckpointError, latest_step
+    from runtime.train.report import CONFIG, METRICS
 
     errors = []
     for flag, path in (("--save", cfg.checkpoint.save), ("--run-dir", cfg.logging.run_dir),
@@ -224,12 +226,28 @@ def output_rules(cfg: TrainConfig) -> list:
         problem = _folder_problem(path)
         if problem:
             errors.append(f"{flag} {path}: {problem}")
-        elif flag == "--save" and os.path.isdir(path):
+            continue
+        # the files a run writes in it: each a regular file or nothing (never a FIFO, device or link)
+        names = RUN_FILES + (CONFIG, METRICS) if flag == "--run-dir" else ()
+        errors += [f"{flag} {path}: {problem}" for problem in
+                   (_file_problem(os.path.join(path, name)) for name in names) if problem]
+        if flag == "--save" and os.path.isdir(path):
             try:
                 latest_step(path)  # a restart resumes from it, and the next save replaces it
-            except CheckpointError as e:
+            except CheckpointError as e:  # (a folder or a FIFO `latest` is named here)
                 errors.append(f"--save {path}: {e}")
+            else:  # readable, but the save replaces it: not through a link
+                problem = _file_problem(os.path.join(path, LATEST))
+                errors += [f"--save {path}: {problem}"] if problem else []
     return errors
+
+
+def _file_problem(path: str) -> str | None:
+    from runtime.files import not_a_file
+
+    what = not_a_file(path)
+    return None if what is None else f"{path} is {what}, not a regular file: only regular files are replaced, and " \
+                                     "it is left as it is"
 
 
 def _folder_problem(path: str) -> str | None:

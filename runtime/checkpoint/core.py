@@ -32,6 +32,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..files import check_replaceable, not_a_file, replace
 from ..init import init_name, is_tied_copy
 from ..parallel_state import ProcessGroups
 from . import dcp
@@ -509,6 +511,7 @@ def _save_failed(directory: str, step: int, e: BaseException) -> str:
 
 def _publish(directory: str, name: str, tmp: str, step: int, suffix: str) -> None:
     final = os.path.join(directory, name)
+    check_replaceable(os.path.join(directory, LATEST))  # `latest` a regular file or nothing: before anything moves
     old = None
     if os.path.exists(final):  # the same step saved again: keep the old one until the new one is in place
         old = f"{final}.old-{suffix}"
@@ -517,7 +520,7 @@ def _publish(directory: str, name: str, tmp: str, step: int, suffix: str) -> Non
     _fsync_dir(directory)
     latest_tmp = os.path.join(directory, f"{LATEST}.tmp-{suffix}")
     _write_durably(latest_tmp, f"{step}\n")
-    os.replace(latest_tmp, os.path.join(directory, LATEST))
+    replace(latest_tmp, os.path.join(directory, LATEST))  # only over a regular file (checked just before)
     _fsync_dir(directory)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -560,9 +563,24 @@ def _clean_stale(directory: str) -> None:
 
 # -- load ----------------------------------------------------------------------------------------
 
+def _not_readable_file(path: str) -> str | None:
+    """What `path` leads to when it is not a regular file (a link to one is read); None when it is
+    one or nothing is there."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # nothing there (or unreadable): the read says which
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):  # a directory: the read says so
+        return None
+    return not_a_file(os.path.realpath(path))
+
+
 def latest_step(directory: str) -> int | None:
     """The step `DIRECTORY/latest` names, or None when nothing was saved there."""
     path = os.path.join(directory, LATEST)
+    what = _not_readable_file(path)
+    if what is not None:  # a FIFO would block the read, a device could be read forever
+        raise CheckpointError(f"{path}: is {what}, not the file naming the latest step")
     try:
         with open(path, "rb") as f:
             raw = f.read(4096)

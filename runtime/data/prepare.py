@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from ..files import not_a_file, replace
 from .errors import DataError
 from .indexed import TOKEN_DTYPES, IndexedDatasetBuilder, bin_path, dtype_capacity, idx_path, optimal_dtype
 from .tokenizer import build_tokenizer
@@ -155,9 +156,9 @@ def prepare(files: list, tokenizer, output_prefix: str, token_dtype: str = "auto
         _check_output(output_prefix)  # again: it may have changed while we tokenized
         # .bin first, the sidecar last: a reader checks the index against the data file, so a
         # rename cut short is found, never read as a dataset.
-        os.replace(temps[".bin"], bin_path(output_prefix))
-        os.replace(temps[".idx"], idx_path(output_prefix))
-        os.replace(temps[SIDECAR], sidecar_path(output_prefix))
+        replace(temps[".bin"], bin_path(output_prefix))  # each only over a regular file (checked just before)
+        replace(temps[".idx"], idx_path(output_prefix))
+        replace(temps[SIDECAR], sidecar_path(output_prefix))
     except OSError as e:  # reading inputs is checked in _documents: this is the output's
         _remove(temps.values())
         raise DataError(f"--output-prefix {output_prefix}: cannot write it ({e.strerror or e})") from None
@@ -227,8 +228,10 @@ def _check_output(prefix: str) -> None:
                         f"PREFIX.idx (e.g. {os.path.join(prefix.rstrip('/') or '.', 'corpus_text_document')})")
     present = [p for p in (bin_path(prefix), idx_path(prefix), sidecar_path(prefix)) if os.path.lexists(p)]
     for path in present:
-        if os.path.islink(path) or not os.path.isfile(path):
-            raise DataError(f"--output-prefix {prefix}: {path} exists and is not a file specc wrote ({hint})")
+        what = not_a_file(path)
+        if what is not None:
+            raise DataError(f"--output-prefix {prefix}: {path} is {what}, not a regular file: only regular files "
+                            f"are replaced, and it is left as it is ({hint})")
     if present and read_sidecar(prefix) is None:
         first = present[0]
         raise DataError(f"--output-prefix {prefix}: {first} exists and `specc data prepare` did not write it (no "

@@ -11,6 +11,8 @@ import os
 import sys
 import time
 
+from ..files import open_to_write, write_atomically
+
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 
@@ -59,7 +61,7 @@ class Reporter:
         self.peak = peak
         os.makedirs(run_dir, exist_ok=True)
         # A resumed run appends to its metrics; a new run starts them afresh.
-        self._metrics = open(os.path.join(run_dir, METRICS), "a" if append else "w", encoding="utf-8")
+        self._metrics = open_to_write(os.path.join(run_dir, METRICS), "a" if append else "w")
         self.tensorboard_dir = tensorboard_dir or os.path.join(run_dir, "tensorboard")
         self._tb_writer = None  # opened at the first scalar (a resumed run first says where to purge)
         self._purge_step = None
@@ -84,7 +86,7 @@ class Reporter:
             print(text, file=self.stream, flush=True)
 
     def start(self, config: dict, model_config: dict) -> None:
-        with open(os.path.join(self.run_dir, CONFIG), "w", encoding="utf-8") as f:
+        with open_to_write(os.path.join(self.run_dir, CONFIG)) as f:
             json.dump({"train": config, "model": model_config}, f, indent=1, sort_keys=True, default=str)
             f.write("\n")
         self.info(format_config(config, model_config))
@@ -191,13 +193,8 @@ class Reporter:
                 it = record.get("iteration") if isinstance(record, dict) else None
                 if isinstance(it, int) and it <= iteration:
                     kept.append(line.rstrip("\n") + "\n")
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        self._metrics = open(path, "a", encoding="utf-8")
+        write_atomically(path, "".join(kept), durable=True)
+        self._metrics = open_to_write(path, "a")
         if self._tb_writer is not None:
             self._tb_writer.close()
             self._tb_writer = None

@@ -78,6 +78,9 @@ def plot_run(run_dir: str, output: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..files import atomic_write, check_replaceable
+
+    check_replaceable(output, "-o")  # a regular file or nothing, refused before the drawing
     train, evals = read_metrics(run_dir)
     its = [r["iteration"] for r in train]
     loss = [r["loss"] for r in train]
@@ -111,19 +114,15 @@ def plot_run(run_dir: str, output: str) -> str:
         ax.set_xlabel("iteration")
         ax.xaxis.set_tick_params(labelbottom=True)
     fig.tight_layout()
-    tmp = output + ".tmp.png"
-    try:
-        fig.savefig(tmp, dpi=100, metadata={"Software": None})
-        os.replace(tmp, output)
+    try:  # a temp file beside it, renamed over it: only ever over a regular file
+        atomic_write(output, lambda f: fig.savefig(f, format="png", dpi=100, metadata={"Software": None}))
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return output
 
 
 def cmd_plot(args) -> int:
-    output = args.output or os.path.join(args.run_dir, "loss.png")
+    output = args.output if args.output is not None else os.path.join(args.run_dir, "loss.png")
     try:
         if not os.path.isdir(args.run_dir):
             raise ValueError(f"{args.run_dir}: no such run directory")

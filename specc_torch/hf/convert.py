@@ -23,6 +23,7 @@ import torch
 
 from runtime.checkpoint import CheckpointError, read_info, read_tensors, resolve, save_tensors
 from runtime.checkpoint.core import check_params, check_spec
+from runtime.files import not_a_file
 from runtime.parallel_state import ProcessGroups
 from specc.errors import SpecError
 
@@ -438,7 +439,16 @@ def check_modeled(graph, config: dict, where: str, spec_name: str) -> None:
 # -- import -------------------------------------------------------------------------------------------
 
 def _fresh_output(out: str) -> None:
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    """OUT is nothing, or an empty folder (not a link to one): what is written replaces only that."""
+    if not out:
+        raise HFError("the output directory is empty (give a new directory to write)")
+    if not os.path.lexists(out):
+        return
+    what = not_a_file(out) or "a file"
+    if what != "a folder":
+        raise HFError(f"{out}: is {what}, not a folder: only a new or empty folder is written, and it is left as it "
+                      "is (choose a new directory)")
+    if os.listdir(out):
         raise HFError(f"{out}: already exists and is not empty (choose a new directory)")
 
 
