@@ -15,6 +15,8 @@ def load_side(path: str, flags: str) -> dict:
     if path.endswith(".json"):
         if flags:
             raise SpecError(Loc(path), "flags apply to specs, not to a saved plan")
+        if os.path.lexists(path) and not os.path.isfile(path):  # a FIFO would block, /dev/zero never end
+            raise SpecError(Loc(path), "not a regular file (a plan.json is one)")
         try:
             with open(path) as f:
                 data = json.load(f)

@@ -29,3 +29,12 @@ def test_plot_of_hostile_metrics_is_one_line(specc, tmp_path, text, why):
     assert (code, out) == (2, "")
     assert err == f"error: {tmp_path}/metrics.jsonl:2: not a metrics record ({why})\n"
     assert not (tmp_path / "loss.png").exists()
+
+
+def test_diff_of_a_fifo_named_json_is_one_line_not_a_hang(specc, tmp_path):
+    import os
+
+    fifo = tmp_path / "plan.json"
+    os.mkfifo(fifo)
+    code, out, err = specc("diff", fifo, fifo)
+    assert (code, out, err) == (2, "", f"{fifo}: error: not a regular file (a plan.json is one)\n")
