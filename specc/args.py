@@ -18,6 +18,8 @@ MEGATRON_CONFIG_FLAGS = {  # Megatron's model-size flags, applied as config over
 
 _GIVEN, _PROG = "_specc_given", "_specc_prog"  # bookkeeping kept on the namespace while parsing
 SPEC_FLAG_OVERRIDES = "spec_flag_overrides"  # (config name, value text, flag) from the spec's megatron.flags
+MEGATRON_NOTES = "megatron_notes"  # lines for the run's log: Megatron flags accepted that change nothing here
+MEGATRON_REFUSED = "megatron_refused"  # (flag as given, why) of Megatron flags refused with a reason
 COMMAND_FLAGS = "command_flags"  # the CommandLineFlags of the parser that made the namespace
 MAX_COMMANDS = 6  # commands named in one error
 
@@ -33,6 +35,54 @@ class UsageError(SystemExit):
 
     def format(self) -> str:
         return _one_line(f"error: {self.message} ({self.hint})")
+
+
+class UsageErrors(UsageError):
+    """Several mistakes on one command line (refused and unknown flags): all of them at once, one
+    line each, in the order they were given, rather than one per run."""
+
+    def __init__(self, errors: list):
+        super().__init__(errors[0].prog, errors[0].message, errors[0].hint)
+        self.errors = errors
+
+    def format(self) -> str:
+        return "\n".join(e.format() for e in self.errors)
+
+
+class FlagTable(argparse.Action):
+    """A flag of a table of Megatron's flags (add_flag_table): each takes its number of values and
+    records, instead of a setting, a note for the run's log (fate "no effect") or a refusal with its
+    reason (fate "refused"), which parse_args reports with every other bad flag of the line."""
+
+    def __init__(self, option_strings, dest, fate: str = "", why: str = "", **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.fate, self.why = fate, why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = " ".join([option_string] + [str(v) for v in (values if isinstance(values, list) else [values])
+                                            if self.nargs != 0])
+        if self.fate == "no effect":
+            line = f"{given}: no effect on this backend ({self.why})"
+            notes = list(getattr(namespace, MEGATRON_NOTES, None) or [])
+            if line not in notes:
+                setattr(namespace, MEGATRON_NOTES, notes + [line])
+        else:
+            refused = list(getattr(namespace, MEGATRON_REFUSED, None) or [])
+            setattr(namespace, MEGATRON_REFUSED, refused + [(given, self.why)])
+
+
+FATES = ("no effect", "refused")
+
+
+def add_flag_table(g, table) -> None:
+    """Register a table of Megatron's flags: (flag, number of values, fate, why), fate one of
+    FATES. A flag of the table keeps no value; it leaves a note or a refusal (FlagTable)."""
+    for flag, nvalues, fate, why in table:
+        if fate not in FATES:
+            raise ValueError(f"{flag}: fate {fate!r} is not one of {FATES}")
+        g.add_argument(flag, action=FlagTable, nargs=nvalues if nvalues != 1 else None, dest=MEGATRON_NOTES
+                       if fate == "no effect" else MEGATRON_REFUSED, default=[], fate=fate, why=why,
+                       metavar="X", help=f"Megatron's; {fate} here: {why}")
 
 
 class _Once:
@@ -173,16 +223,41 @@ class ArgumentParser(argparse.ArgumentParser):
         return ns, extras
 
     def parse_args(self, args=None, namespace=None):
-        ns, extras = self.parse_known_args(args, namespace)
+        import sys
+
+        words = list(sys.argv[1:] if args is None else args)
+        ns, extras = self.parse_known_args(words, namespace)
         prog = ns.__dict__.pop(_PROG, self.prog)
         setattr(ns, COMMAND_FLAGS, CommandLineFlags(self))
+        errors = [UsageError(prog, f"{given}: {why}", f"hint: drop {given.split()[0]}")
+                  for given, why in getattr(ns, MEGATRON_REFUSED, None) or []]
         if extras or isinstance(getattr(ns, "spec", None), str):  # the spec's megatron: block, checked
             from .commands.megatron_flags import apply_spec_flags
 
-            extras = apply_spec_flags(ns, extras, prog)
-        if extras:
-            raise UsageError(prog, f"unrecognized arguments: {' '.join(extras)}")
+            extras = apply_spec_flags(ns, extras, prog, errors)  # each message starts with its flag
+        flags = [e.message.split()[0].rstrip(":") for e in errors]
+        for group in _flag_groups(extras):
+            errors.append(UsageError(prog, f"unrecognized arguments: {' '.join(group)}"))
+            flags.append(group[0])
+        if errors:  # every bad flag of the line at once, in the order given
+            first = {}
+            for i, word in enumerate(words):
+                first.setdefault(word.split("=", 1)[0], i)
+            order = sorted(range(len(errors)), key=lambda k: first.get(flags[k].split("=", 1)[0], len(words)))
+            errors = [errors[k] for k in order]
+            raise errors[0] if len(errors) == 1 else UsageErrors(errors)
         return ns
+
+
+def _flag_groups(words: list) -> list:
+    """Unrecognized words, a flag with the values that follow it per group."""
+    groups = []
+    for word in words:
+        if word.startswith("-") or not groups:
+            groups.append([word])
+        else:
+            groups[-1].append(word)
+    return groups
 
 
 def spec_flags(p: argparse.ArgumentParser, sp_default=False) -> None:

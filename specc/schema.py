@@ -75,7 +75,11 @@ def json_schema() -> dict:
                           "propertyNames": {"pattern": "^--[a-z0-9][a-z0-9-]*$"}, "additionalProperties": _IDENT},
                 "structure": {"type": "object", "description": "an architecture flag whose structure the spec has -> "
                               "true, or the value that selects it", "propertyNames": {"pattern": "^--[a-z0-9][a-z0-9-]*$"},
-                              "additionalProperties": {"type": ["boolean", "string"]}}},
+                              "additionalProperties": {"type": ["boolean", "string"]}},
+                "no_effect": {"type": "object", "description": "a flag that changes nothing in this spec's model -> "
+                              "why (accepted, with a note in the run's log)",
+                              "propertyNames": {"pattern": "^--[a-z0-9][a-z0-9-]*$"},
+                              "additionalProperties": {"type": "string"}}},
                 "additionalProperties": False},
         },
         "required": ["name", "model", "modules"],

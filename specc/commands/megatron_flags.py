@@ -1,7 +1,8 @@
 """Megatron-LM's model flags on a spec's command line, as the spec's `megatron:` block declares
 them (specc/frontend/megatron.py, docs/spec-language.md): a flag in `megatron.flags` sets its
 config value; a flag in `megatron.structure` is accepted (it selects what the spec already is);
-any other Megatron model flag is a one-line error whose hint names the shipped specs that declare
+a flag in `megatron.no_effect` is accepted with a note for the run's log (ns.megatron_notes) saying
+why it changes nothing in this spec's model; any other Megatron model flag is a one-line error whose hint names the shipped specs that declare
 it. Nothing here knows an architecture: the specs say which flags they answer to. A block that
 maps a flag the command line reads itself (specc/args.py CommandLineFlags) is the spec's located
 error, on every command, whatever flags are given."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from ..args import COMMAND_FLAGS, SPEC_FLAG_OVERRIDES, UsageError
+from ..args import COMMAND_FLAGS, MEGATRON_NOTES, SPEC_FLAG_OVERRIDES, UsageError
 
 # Megatron's flags that select structure (no spec needs to declare them for the error to say so):
 # names of Megatron's command line, not of any spec.
@@ -18,16 +19,18 @@ MEGATRON_ARCHITECTURE_FLAGS = (
     "--swiglu", "--squared-relu", "--normalization", "--position-embedding-type", "--use-rotary-position-embeddings",
     "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--add-qkv-bias", "--group-query-attention",
     "--qk-layernorm", "--apply-residual-connection-post-layernorm", "--num-experts", "--multi-latent-attention",
+    "--no-position-embedding", "--apply-layernorm-1p", "--rotary-percent",
 )
 MAX_NAMED = 4  # shipped specs named in one hint
 
 
-def apply_spec_flags(ns, extras: list, prog: str) -> list:
+def apply_spec_flags(ns, extras: list, prog: str, errors: list | None = None) -> list:
     """Consume the words of `extras` that are the spec's Megatron flags (their config overrides
-    go to ns.spec_flag_overrides); raise UsageError for a Megatron model flag the spec does not
-    declare, SpecError (located in the spec) for a block mapping a flag of the command line
-    (ns.command_flags); return the words left (unrecognized). With no words, only the block is
-    checked, and a spec that does not read is left to the compiler, which reports it."""
+    go to ns.spec_flag_overrides, the notes of its no_effect flags to ns.megatron_notes); a Megatron
+    model flag the spec does not declare is a UsageError, appended to `errors` (raised when
+    `errors` is None); SpecError (located in the spec) for a block mapping a flag of the command
+    line (ns.command_flags); return the words left (unrecognized). With no words, only the block
+    is checked, and a spec that does not read is left to the compiler, which reports it."""
     from ..errors import SpecError
     from ..frontend.megatron import MegatronFlags, read_megatron, shipped
 
@@ -44,6 +47,7 @@ def apply_spec_flags(ns, extras: list, prog: str) -> list:
         declared.refuse(getattr(ns, COMMAND_FLAGS, None))
     others = None  # the shipped specs' declarations, read only when needed
     overrides = getattr(ns, SPEC_FLAG_OVERRIDES, [])
+    notes = list(getattr(ns, MEGATRON_NOTES, None) or [])
     left = []
     i = 0
     while i < len(extras):
@@ -61,6 +65,13 @@ def apply_spec_flags(ns, extras: list, prog: str) -> list:
             if not eq:
                 value, i = following, i + 1
             overrides.append((declared.flags[flag], value, flag))
+            i += 1
+            continue
+        if flag in declared.no_effect:
+            if not eq and can_take_next:
+                value, i = following, i + 1
+            given = f"{flag} {value}" if value else flag
+            notes.append(f"{given}: no effect on this model ({spec_name}: {declared.no_effect[flag]})")
             i += 1
             continue
         want = declared.structure.get(flag)
@@ -83,8 +94,13 @@ def apply_spec_flags(ns, extras: list, prog: str) -> list:
         if takes_value and not eq and want is None and can_take_next:
             value, i = following, i + 1
         given = f"{flag} {value}" if value else flag
-        raise _error(prog, flag, value or None, given, spec_name, declared, others)
+        error = _error(prog, flag, value or None, given, spec_name, declared, others)
+        if errors is None:
+            raise error
+        errors.append(error)
+        i += 1
     setattr(ns, SPEC_FLAG_OVERRIDES, overrides)
+    setattr(ns, MEGATRON_NOTES, notes)
     return left
 
 

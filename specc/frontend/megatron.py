@@ -6,9 +6,12 @@
       structure:                 # Megatron's architecture flags whose structure this spec has
         --swiglu: true           # a flag without a value
         --normalization: RMSNorm # a flag with the value that selects this spec's structure
+      no_effect:                 # a flag that changes nothing in this spec's model, and why
+        --max-position-embeddings: rotary positions are computed for any length
 
 The command line (specc/args.py) applies `flags` as config overrides, accepts a structural flag
-the spec declares (it selects what the spec already is) and refuses any other with a hint that
+the spec declares (it selects what the spec already is), accepts a `no_effect` flag with a note
+in the run's log saying why and refuses any other with a hint that
 names the shipped specs (specs/*.yaml) declaring it, so the compiler holds no table of
 architectures: the specs say what they are.
 
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from ..errors import Loc, SpecError, did_you_mean
 from .yamlload import LDict, load_yaml, read_text
 
-MEGATRON_KEYS = ("flags", "structure")
+MEGATRON_KEYS = ("flags", "structure", "no_effect")
 FLAG = re.compile(r"^--[a-z0-9][a-z0-9-]*$")
 SHIPPED_SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "specs")
 
@@ -36,6 +39,7 @@ SHIPPED_SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.
 class MegatronFlags:
     flags: dict = field(default_factory=dict)  # flag -> config name
     structure: dict = field(default_factory=dict)  # flag -> True (no value) or the value it is given
+    no_effect: dict = field(default_factory=dict)  # flag -> why it changes nothing in this spec's model
     config: set = field(default_factory=set)  # the spec's config names (for hints)
     extends: str | None = None  # the shipped spec this one extends (specs/NAME), in shipped()
     locs: dict = field(default_factory=dict)  # flag -> where the block names it (its key)
@@ -46,7 +50,12 @@ class MegatronFlags:
             return False
         if declared is True:
             return value is None
-        return value is not None and value.lower() == str(declared).lower()
+        if value is None:
+            return False
+        try:  # a number as Megatron reads it: --attention-dropout 0 is 0.0
+            return float(value) == float(declared)
+        except ValueError:
+            return value.lower() == str(declared).lower()
 
     def refuse(self, owned) -> None:
         """The located error of the first flag of the block that is not the spec's to map:
@@ -78,20 +87,27 @@ def check_megatron(raw, loc: Loc, config: LDict) -> MegatronFlags:
         entries = raw[section]
         if not isinstance(entries, LDict):
             raise SpecError(raw.value_loc(section), f"'megatron.{section}' must be a mapping of Megatron flags",
-                            "e.g. --swiglu: true" if section == "structure" else "e.g. --kv-channels: head_dim")
+                            {"structure": "e.g. --swiglu: true", "flags": "e.g. --kv-channels: head_dim"}.get(
+                                section, "e.g. --max-position-embeddings: rotary positions are computed for any "
+                                "length"))
         for flag, value in entries.items():
             key_loc, value_loc = entries.key_loc(flag), entries.value_loc(flag)
             if not isinstance(flag, str) or not FLAG.match(flag):
                 raise SpecError(key_loc, f"'{flag}' is not a Megatron flag name", "e.g. --kv-channels")
-            out.locs.setdefault(flag, key_loc)
-            if section == "flags":
+            if flag in out.locs:
+                raise SpecError(key_loc, f"{flag} is in more than one of megatron.flags, structure and no_effect")
+            out.locs[flag] = key_loc
+            if section == "no_effect":
+                if not (isinstance(value, str) and value.strip()):
+                    raise SpecError(value_loc, f"{flag} must say why it has no effect on this spec's model, got "
+                                    f"{value!r}", "e.g. rotary positions are computed for any length")
+                out.no_effect[flag] = value.strip()
+            elif section == "flags":
                 if not isinstance(value, str) or value not in config:
                     raise SpecError(value_loc, f"{flag} must name a config value of the spec, got {value!r}",
                                     did_you_mean(value, config.keys()))
                 out.flags[flag] = str(value)
             else:
-                if flag in out.flags:
-                    raise SpecError(key_loc, f"{flag} is both in megatron.flags and megatron.structure")
                 if not (isinstance(value, bool) or (isinstance(value, str) and value.strip())):
                     raise SpecError(value_loc, f"{flag} must be true (a flag without a value), false (not this "
                                     f"structure) or the value that selects this spec's structure, got {value!r}")
