@@ -33,6 +33,7 @@ from runtime.train.config import (
     ParallelConfig,
     ScheduleConfig,
     TrainConfig,
+    _note,
     model_rules,
     resolve,
     split_weights,
@@ -53,7 +54,7 @@ class ConfigError(Exception):
 # -- configuration from the command line -----------------------------------------------------------
 
 def config_from_args(args) -> TrainConfig:
-    from specc.args import overrides_from, recompute_from
+    from specc.args import MEGATRON_NOTES, overrides_from, recompute_from
 
     overrides = {key: value for key, value, _ in overrides_from(args)}
     return TrainConfig(
@@ -80,7 +81,7 @@ def config_from_args(args) -> TrainConfig:
         checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                                     keep_last=args.keep_last,
                                     allow_spec_change=args.allow_spec_change, no_load_optim=args.no_load_optim,
-                                    finetune=args.finetune),
+                                    finetune=args.finetune, no_load_rng=args.no_load_rng),
         logging=LoggingConfig(run_dir=args.run_dir or os.path.join("runs", _spec_stem(args.spec)),
                               log_interval=args.log_interval, progress=args.progress,
                               log_throughput=args.log_throughput,
@@ -89,6 +90,7 @@ def config_from_args(args) -> TrainConfig:
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters if args.train_iters is not None or args.train_samples is not None else 100,
         train_samples=args.train_samples, exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins,
         fp16=args.fp16, loss_scale=LossScaleConfig(loss_scale=args.loss_scale,
                                                    initial_loss_scale=args.initial_loss_scale,
                                                    min_loss_scale=args.min_loss_scale,
@@ -97,7 +99,8 @@ def config_from_args(args) -> TrainConfig:
         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         bf16=args.bf16, seed=args.seed, device=args.device, host_memory=args.host_memory,
         torch_compile=args.torch_compile_backend if args.torch_compile else None,
-        recompute=recompute_from(args))
+        recompute=recompute_from(args),
+        notes=list(getattr(args, MEGATRON_NOTES, None) or []))  # Megatron's flags with no effect here
 
 
 def data_config_from_args(args) -> DataConfig:
@@ -199,6 +202,7 @@ def check(cfg: TrainConfig, world_size: int):
         errors.append(f"--load {cfg.checkpoint.load}: no such directory")
     elif cfg.checkpoint.load is not None:
         errors += _checkpoint_rules(cfg.checkpoint.load)
+    errors += _no_load_rng_rules(cfg)
     errors += output_rules(cfg)
     if cfg.device == "cuda":
         import torch
@@ -210,6 +214,19 @@ def check(cfg: TrainConfig, world_size: int):
     if errors:
         raise ConfigError(errors)
     return spec
+
+
+def _no_load_rng_rules(cfg: TrainConfig) -> list:
+    """Megatron's --no-load-rng: a checkpoint that loads restores its RNG states here, so with one
+    in --load it is refused; with none there yet it changes nothing, and the log says so."""
+    load = cfg.checkpoint.load
+    if not cfg.checkpoint.no_load_rng or load is None:
+        return []
+    if any(os.path.isfile(os.path.join(load, name)) for name in ("latest", "checkpoint.json")):
+        return [f"--no-load-rng: --load {load} holds a checkpoint, and loading restores its RNG states; loading "
+                "without them is not implemented (drop --no-load-rng)"]
+    _note(cfg, f"--no-load-rng: no effect (no checkpoint in --load {load} yet)")
+    return []
 
 
 def output_rules(cfg: TrainConfig) -> list:

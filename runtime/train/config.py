@@ -100,6 +100,7 @@ class CheckpointConfig:
     allow_spec_change: bool = False  # load a checkpoint of another spec hash (names and shapes still checked)
     no_load_optim: bool = False  # --load the weights, iteration and data position, not the optimizer state
     finetune: bool = False  # --load the weights only: iteration 0, a fresh optimizer, the data from the start
+    no_load_rng: bool = False  # Megatron's --no-load-rng: refused when a checkpoint is loaded (RNG states restored)
 
 
 @dataclass
@@ -141,6 +142,7 @@ class TrainConfig:
     train_iters: int | None = 100  # None with train_samples: derived, train_samples // global_batch_size
     train_samples: int | None = None
     exit_interval: int | None = None  # stop (saving with --save) after an iteration divisible by it
+    exit_duration_in_mins: float | None = None  # stop (saving with --save) after the iteration that passes it
     eval_interval: int = 1000
     eval_iters: int = 10
     bf16: bool = False
@@ -294,11 +296,16 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
                           "SentencePieceTokenizer, HuggingFaceTokenizer or TikTokenizer for --tokenizer-model)")
     if cfg.exit_interval is not None and cfg.exit_interval < 1:
         errors.append(f"--exit-interval must be at least 1, got {cfg.exit_interval}")
+    minutes = cfg.exit_duration_in_mins
+    if minutes is not None and not (math.isfinite(minutes) and minutes >= 0):
+        errors.append(f"--exit-duration-in-mins must be a number of minutes, at least 0, got {minutes}")
     ckpt = cfg.checkpoint
     if ckpt.finetune and ckpt.load is None:
         errors.append("--finetune needs --load DIR")
     if ckpt.no_load_optim and ckpt.load is None:  # Megatron carries on: nothing is loaded
         _note(cfg, "--no-load-optim without --load: no effect (nothing is loaded)")
+    if ckpt.no_load_rng and ckpt.load is None:
+        _note(cfg, "--no-load-rng without --load: no effect (nothing is loaded)")
     if cfg.seed < 0:
         errors.append(f"--seed must be at least 0, got {cfg.seed}")
     if cfg.device not in ("auto", "cpu", "cuda"):

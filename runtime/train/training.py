@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from .. import api, comm, moe
 from ..compile import compile_layers
@@ -255,6 +256,16 @@ def measured_memory(setup: Setup, saved: SavedActivations) -> dict:
             "optimizer": setup.optimizer.state_bytes(), "activations": saved.total}
 
 
+def _past(started: float, minutes: float, device) -> bool:
+    """Whether any rank has trained for more than `minutes` since `started` (Megatron's
+    --exit-duration-in-mins): the ranks' clocks differ, so they agree on the slowest one's (MAX),
+    and all stop after the same iteration."""
+    past = torch.tensor([1.0 if (time.monotonic() - started) / 60.0 > minutes else 0.0], device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(past, op=dist.ReduceOp.MAX)
+    return bool(past.item())
+
+
 def train(setup: Setup, datasets: dict, cfg: TrainConfig, pg: ProcessGroups, reporter, state: TrainState,
           save_fn: Callable | None = None, before_step: Callable[[int], None] | None = None,
           flops_per_iteration: int | None = None, after_first_step: Callable[[dict], None] | None = None) -> list:
@@ -268,6 +279,7 @@ def train(setup: Setup, datasets: dict, cfg: TrainConfig, pg: ProcessGroups, rep
     seq = setup.spec.config["seq_length"]
     tokens_per_step = cfg.global_batch_size * seq
     evaluated_at = None
+    started = time.monotonic()  # --exit-duration-in-mins counts from here
     while state.iteration < cfg.train_iters:
         iteration = state.iteration + 1
         if before_step is not None:
@@ -299,6 +311,10 @@ def train(setup: Setup, datasets: dict, cfg: TrainConfig, pg: ProcessGroups, rep
             save_fn(state)
         if cfg.exit_interval and iteration % cfg.exit_interval == 0:
             reporter.info(f"exiting after iteration {iteration} (--exit-interval {cfg.exit_interval})")
+            break
+        if cfg.exit_duration_in_mins is not None and _past(started, cfg.exit_duration_in_mins, setup.device):
+            reporter.info(f"exiting after iteration {iteration}: the run has trained for more than "
+                          f"--exit-duration-in-mins {cfg.exit_duration_in_mins:g}")
             break
     setup.ddp.finish_param_sync()  # --overlap-param-gather: the last step's gathers, before anyone reads
     if cfg.eval_iters > 0 and evaluated_at != state.iteration:

@@ -8,9 +8,76 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..args import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError, recompute_flags
+from ..args import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError, add_flag_table, recompute_flags
 from ..errors import SpecError
 from .data import add_tokenizer_arguments
+
+_FUSION = "a CUDA kernel fusion switch: the ops compute the same values unfused"
+_FP8 = "FP8 training (TransformerEngine's scaled FP8 GEMMs) is not implemented: train in --bf16"
+_RAMPUP = "batch-size ramp-up is not implemented: every iteration uses --global-batch-size"
+_DECOUPLED = ("a separate learning rate for the embedding and output layer is not implemented: every parameter "
+              "follows --lr and --min-lr")
+
+# Megatron's training flags that are neither a setting here nor the spec's (specc/commands/megatron_flags.py):
+# (flag, number of values, fate, why). "no effect": accepted, and the run's log says once why it
+# changes nothing on this backend (kernel choices, Megatron's internals); "refused": one line with
+# the reason, all of a command line's together. A flag that changes the numerics or the model is
+# never "no effect": it works (a setting, or the spec's megatron: block) or it is refused.
+MEGATRON_FLAG_FATES = (
+    ("--use-mcore-models", 0, "no effect", "the model is the spec's, built by specc, not a Megatron model class"),
+    ("--attention-backend", 1, "no effect", "the attention kernel is the plan's choice for the spec's core_attention "
+     "op; every kernel computes the same attention"),
+    ("--use-flash-attn", 0, "no effect", "the attention kernel is the plan's choice (flash-attn where installed and "
+     "chosen); every kernel computes the same attention"),
+    ("--transformer-impl", 1, "no effect", "each op's implementation is the plan's choice (specc plan --backend); "
+     "they compute the same values"),
+    ("--no-masked-softmax-fusion", 0, "no effect", _FUSION),
+    ("--no-bias-gelu-fusion", 0, "no effect", _FUSION),
+    ("--no-bias-swiglu-fusion", 0, "no effect", _FUSION),
+    ("--no-bias-dropout-fusion", 0, "no effect", _FUSION),
+    ("--no-rope-fusion", 0, "no effect", _FUSION),
+    ("--no-persist-layer-norm", 0, "no effect", _FUSION),
+    ("--cross-entropy-loss-fusion", 0, "no effect", _FUSION),
+    ("--moe-permute-fusion", 0, "no effect", _FUSION),
+    ("--no-gradient-accumulation-fusion", 0, "no effect", "gradients are accumulated into the fp32 main_grad "
+     "buffer by a hook either way; the fused kernel only does it inside the weight-gradient GEMM"),
+    ("--moe-grouped-gemm", 0, "no effect", "a kernel choice for the experts' GEMMs: the experts compute the same"),
+    ("--moe-token-dispatcher-type", 1, "no effect", "the moe op dispatches tokens by all-to-all over the "
+     "expert-parallel group; Megatron's dispatchers differ in communication, not in the result"),
+    ("--tp-comm-overlap", 0, "no effect", "TransformerEngine's overlap of tensor-parallel communication with GEMMs "
+     "(userbuffers): timing only, the same values"),
+    ("--manual-gc", 0, "no effect", "when Python's garbage collector runs: timing only"),
+    ("--manual-gc-interval", 1, "no effect", "when Python's garbage collector runs: timing only"),
+    ("--num-workers", 1, "no effect", "samples are read in the training process, no DataLoader workers"),
+    ("--no-create-attention-mask-in-dataloader", 0, "no effect", "the data never builds an attention mask: "
+     "attention is causal inside the kernel"),
+    ("--no-mmap-bin-files", 0, "no effect", "how the .bin file is read, not what: the same samples"),
+    ("--data-cache-path", 1, "no effect", "the sample indices are built in memory at the start of each run; "
+     "nothing is cached on disk"),
+    ("--empty-unused-memory-level", 1, "no effect", "Megatron's torch.cuda.empty_cache() calls between steps: "
+     "the allocator's cache only, the same training"),
+    ("--profile", 0, "no effect", "the CUDA profiler range for an nsys capture is not marked; use torch.profiler "
+     "or py-spy around the run"),
+    ("--profile-step-start", 1, "no effect", "goes with --profile (the nsys capture range), not marked here"),
+    ("--profile-step-end", 1, "no effect", "goes with --profile (the nsys capture range), not marked here"),
+    ("--calculate-per-token-loss", 0, "no effect", "no token is masked from the loss here, so every micro-batch "
+     "has the same number of loss tokens and the mean over all tokens of the global batch is the mean of the "
+     "micro-batch means that specc takes"),
+    ("--rampup-batch-size", 3, "refused", _RAMPUP),
+    ("--step-batch-size-schedule", 1, "refused", _RAMPUP),
+    ("--decoupled-lr", 1, "refused", _DECOUPLED),
+    ("--decoupled-min-lr", 1, "refused", _DECOUPLED),
+    ("--grad-reduce-in-bf16", 0, "refused", "gradients are accumulated and reduced in fp32 here (the fp32 "
+     "main_grad buffer); reducing them in bf16 is not implemented"),
+    ("--fp8-format", 1, "refused", _FP8),
+    ("--fp8-amax-history-len", 1, "refused", _FP8),
+    ("--fp8-amax-compute-algo", 1, "refused", _FP8),
+    ("--fp8-param-gather", 0, "refused", _FP8),
+    ("--ckpt-format", 1, "refused", "checkpoints are written in specc's own layout (docs/checkpoints.md); "
+     "Megatron Core's torch_dist and legacy formats are not written yet"),
+    ("--distributed-timeout-minutes", 1, "refused", "the collectives' timeout is torch's default here (30 "
+     "minutes); setting it is not implemented"),
+)
 
 LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
                 "rdzv_endpoint", "rdzv_id", "max_restarts")
@@ -82,6 +149,9 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    help="instead of --train-iters: iterations = N // global batch, and the lr schedule counts samples")
     g.add_argument("--exit-interval", type=int, default=None, metavar="N",
                    help="stop after an iteration divisible by N (saving a checkpoint with --save)")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None, metavar="MINUTES",
+                   help="stop after the first iteration that ends more than MINUTES after training started "
+                   "(saving a checkpoint with --save)")
     g.add_argument("--eval-interval", type=int, default=1000, metavar="N")
     g.add_argument("--eval-iters", type=int, default=10, metavar="N", help="global batches per evaluation (0: none)")
     g.add_argument("--log-interval", type=int, default=100, metavar="N")
@@ -158,6 +228,9 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    help="keep only the newest K checkpoints in --save (default: all)")
     g.add_argument("--no-load-optim", action="store_true",
                    help="--load the weights, iteration and data position, with a fresh optimizer")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="Megatron's: accepted where nothing is loaded (no --load, or a --save X --load X that holds "
+                   "no checkpoint yet); a checkpoint loaded restores its RNG states, so with one it is refused")
     g.add_argument("--finetune", action="store_true",
                    help="--load the weights only: iteration 0, a fresh optimizer, the data from its start")
     g.add_argument("--allow-spec-change", action="store_true",
@@ -177,6 +250,10 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOPS",
                    help="the peak TFLOP/s of one rank, for MFU (default: measured once with a GEMM of the run's "
                    "dtype on its device and thread count)")
+
+    add_flag_table(p.add_argument_group("Megatron's flags with no effect on this backend (a note in the log), or "
+                                        "refused with the reason (docs/training.md#megatrons-flags)"),
+                   MEGATRON_FLAG_FATES)
 
 
 def build_rank_parser() -> argparse.ArgumentParser:
