@@ -31,13 +31,21 @@ def not_a_file(path: str) -> str | None:
         return None
     if stat.S_ISREG(mode):
         return None
+    name = kind_of_mode(mode)
+    if name == "a symbolic link":
+        try:
+            return f"{name} (to {os.readlink(path)})"
+        except OSError:
+            return name
+    return name
+
+
+def kind_of_mode(mode: int) -> str:
+    """'a regular file', 'a FIFO (named pipe)', 'a character device', ... for an st_mode."""
+    if stat.S_ISREG(mode):
+        return "a regular file"
     for test, name in _KINDS:
         if test(mode):
-            if name == "a symbolic link":
-                try:
-                    return f"{name} (to {os.readlink(path)})"
-                except OSError:
-                    return name
             return name
     return "not a regular file"
 

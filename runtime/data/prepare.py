@@ -16,13 +16,15 @@ from __future__ import annotations
 import glob
 import json
 import os
+import stat
+import sys
 import sysconfig
 import tempfile
 import time
 
 import numpy as np
 
-from ..files import not_a_file, replace
+from ..files import kind_of_mode, not_a_file, replace
 from .errors import DataError
 from .indexed import TOKEN_DTYPES, IndexedDatasetBuilder, bin_path, dtype_capacity, idx_path, optimal_dtype
 from .tokenizer import build_tokenizer
@@ -54,22 +56,51 @@ def stdlib_files(limit: int | None = None) -> list:
 
 
 def expand_inputs(patterns: list) -> list:
+    """The files the --input globs match, sorted; folders they match are passed over. Only regular
+    files (or links to them) are read: a FIFO would block the read forever, a device such as
+    /dev/zero would be read until memory runs out."""
     files = set()
     for pattern in patterns:
         matched = [p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if not os.path.isdir(p)]
         if not matched:
             raise DataError(f"--input {pattern!r} matches no files")
+        for path in matched:
+            try:
+                mode = os.stat(path).st_mode
+            except OSError:
+                continue  # a dangling link: the read names it
+            if not stat.S_ISREG(mode):
+                raise DataError(f"--input {path}: is {kind_of_mode(mode)}, not a regular file (only regular files "
+                                "are read)")
         files.update(matched)
     return sorted(files)
 
 
-def _documents(path: str, json_key: str):
-    """(where, text) of each document of a file: `where` names it in errors (PATH, or PATH:LINE)."""
+def _read_regular(path: str) -> bytes:
+    """The bytes of a regular file (or a link to one). Opened without blocking and checked before
+    reading, so that a FIFO or a device put there after expand_inputs is refused, not read."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise DataError(f"{path}: is {kind_of_mode(mode)}, not a regular file (only regular files are read)")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
+            fd = None
+            return f.read()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _documents(path: str, json_key: str):
+    """(where, text) of each document of a file: `where` names it in errors (PATH, or PATH:LINE)."""
+    raw = _read_regular(path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -84,6 +115,13 @@ def _documents(path: str, json_key: str):
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{number}: not a JSON object per line ({e.msg})") from None
+        except RecursionError:  # json's decoder recurses once per level of nesting
+            raise DataError(f"{path}:{number}: JSON nested too deeply to read (more than Python's recursion "
+                            f"limit, {sys.getrecursionlimit()} levels)") from None
+        except ValueError as e:  # an integer of more digits than Python converts
+            limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else None
+            what = f"an integer of more than {limit} digits" if limit and "digits" in str(e) else str(e)[:200]
+            raise DataError(f"{path}:{number}: cannot read its JSON ({what})") from None
         if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
             raise DataError(f"{path}:{number}: no string field {json_key!r} (set it with --json-keys)")
         yield f"{path}:{number}", record[json_key]

@@ -281,15 +281,32 @@ class TikTokenizer:
                             f"{tiktoken_pattern!r}")
         tiktoken = _library("tiktoken", "--tokenizer-type TikTokenizer")
         self.vocab_size = 2 ** 17 if vocab_size is None else int(vocab_size)
-        if not len(TIKTOKEN_SPECIAL_TOKENS) <= num_special_tokens < self.vocab_size:
+        if num_special_tokens < len(TIKTOKEN_SPECIAL_TOKENS):
             raise DataError(f"--tiktoken-num-special-tokens {num_special_tokens}: must be at least "
-                            f"{len(TIKTOKEN_SPECIAL_TOKENS)} and below the vocabulary size {self.vocab_size}")
-        ranks = _tiktoken_ranks(tokenizer_model)
+                            f"{len(TIKTOKEN_SPECIAL_TOKENS)} ({', '.join(TIKTOKEN_SPECIAL_TOKENS)})")
+        if self.vocab_size <= num_special_tokens:
+            raise DataError(f"--vocab-size {self.vocab_size}: TikTokenizer's {num_special_tokens} special tokens "
+                            f"(--tiktoken-num-special-tokens) take ids 0..{num_special_tokens - 1}, so the vocabulary "
+                            f"must be larger than {num_special_tokens}, with room for the ranks of every single byte "
+                            f"after them")
+        full = _tiktoken_ranks(tokenizer_model)
         inner = self.vocab_size - num_special_tokens
-        if len(ranks) < inner:
-            raise DataError(f"--tokenizer-model {tokenizer_model}: {len(ranks)} ranks, but --vocab-size "
+        if len(full) < inner:
+            raise DataError(f"--tokenizer-model {tokenizer_model}: {len(full)} ranks, but --vocab-size "
                             f"{self.vocab_size} with {num_special_tokens} special tokens needs {inner}")
-        ranks = {token: rank + num_special_tokens for token, rank in ranks.items() if rank < inner}
+        ranks = {token: rank + num_special_tokens for token, rank in full.items() if rank < inner}
+        # tiktoken's byte-level BPE panics (a Rust panic, not an error) on a byte without a rank
+        byte_ranks = {b: full.get(bytes([b])) for b in range(256)}
+        absent = [b for b, r in byte_ranks.items() if r is None]
+        if absent:
+            raise DataError(f"--tokenizer-model {tokenizer_model}: no rank for the single byte 0x{absent[0]:02x} "
+                            f"({len(absent)} of the 256 bytes have none); byte-level BPE needs every byte")
+        cut = [b for b, r in byte_ranks.items() if r >= inner]
+        if cut:
+            raise DataError(f"--vocab-size {self.vocab_size}: with {num_special_tokens} special tokens it keeps ranks "
+                            f"0..{inner - 1} of {tokenizer_model}, which leave out the single byte 0x{cut[0]:02x} "
+                            f"(rank {byte_ranks[cut[0]]}); byte-level BPE needs every byte: give --vocab-size at least "
+                            f"{num_special_tokens + max(byte_ranks.values()) + 1}")
         specials = TIKTOKEN_SPECIAL_TOKENS + [f"<SPECIAL_{i}>" for i in range(len(TIKTOKEN_SPECIAL_TOKENS),
                                                                               num_special_tokens)]
         pattern = PATTERN_TIKTOKEN if tiktoken_pattern == "v1" else PATTERN_TIKTOKEN_V2
@@ -356,7 +373,18 @@ class NullTokenizer:
         try:
             return [int(x) for x in text.split()]
         except ValueError:
-            raise DataError("NullTokenizer reads space-separated token ids; the text holds something else") from None
+            pass
+        for x in text.split():  # the error path only: which word, and why
+            try:
+                int(x)
+            except ValueError:
+                digits = x.lstrip("+-").replace("_", "")
+                if digits.isdigit():  # Python converts at most sys.get_int_max_str_digits() digits
+                    raise DataError(f"NullTokenizer: token id {x[:20]}... ({len(digits)} digits) is far too large "
+                                    "for any vocabulary") from None
+                shown = x if len(x) <= 40 else x[:40] + "..."
+                raise DataError(f"NullTokenizer reads space-separated token ids; the text holds {shown!r}") from None
+        raise DataError("NullTokenizer reads space-separated token ids; the text holds something else")
 
     def decode(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)

@@ -140,7 +140,7 @@ def test_ids_outside_the_vocabulary_or_the_dtype_are_refused_not_wrapped(tmp_pat
     assert message == f"{src}: token id 99999999999999999999... (40 digits) does not fit in 64 bits, let alone in a " \
                       "token file"
     src, message = error("e.txt", b"1 x", NullTokenizer(100))
-    assert message == f"{src}: NullTokenizer reads space-separated token ids; the text holds something else"
+    assert message == f"{src}: NullTokenizer reads space-separated token ids; the text holds 'x'"
 
     class Lying:  # a tokenizer that returns ids beyond the vocabulary it claims
         name, vocab_size, eod = "Lying", 300, None
@@ -158,3 +158,61 @@ def test_ids_outside_the_vocabulary_or_the_dtype_are_refused_not_wrapped(tmp_pat
     ok = _write(tmp_path / "ok.txt", b"0 99 100")
     prepare([ok], NullTokenizer(100), out)
     assert open_dataset(out).document(0).tolist() == [0, 99, 100, 100]
+
+
+def test_inputs_that_are_not_regular_files_are_refused_not_read(tmp_path):
+    # a FIFO blocked the read forever, /dev/zero was read until memory ran out: only regular files
+    # (or links to them) are read. (The read runs in a thread beside a writer that lets go after
+    # 10 s, so that a reader that does open the FIFO fails the test instead of blocking it.)
+    import stat
+    import threading
+
+    (tmp_path / "in").mkdir()
+    ok = _write(tmp_path / "in" / "a.txt", b"abc")
+    fifo = str(tmp_path / "in" / "b.txt")
+    os.mkfifo(fifo)
+    with pytest.raises(DataError) as e:
+        expand_inputs([str(tmp_path / "in" / "*.txt")])
+    assert str(e.value) == f"--input {fifo}: is a FIFO (named pipe), not a regular file (only regular files are read)"
+    os.symlink(ok, str(tmp_path / "link.txt"))
+    assert expand_inputs([str(tmp_path / "link.txt")]) == [str(tmp_path / "link.txt")]  # a link to a file is read
+
+    out, outcome = str(tmp_path / "out"), []
+    writer = os.open(fifo, os.O_RDWR)
+    try:
+        os.write(writer, b"def")
+
+        def run():
+            try:
+                outcome.append(prepare([ok, fifo], "byte", out))
+            except BaseException as e:  # noqa: BLE001 - handed to the test
+                outcome.append(e)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(10)
+    finally:
+        os.close(writer)
+    thread.join()
+    assert isinstance(outcome[0], DataError), f"read the FIFO: {outcome[0]!r}"
+    assert str(outcome[0]) == f"{fifo}: is a FIFO (named pipe), not a regular file (only regular files are read)"
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["in", "link.txt"]  # nothing written, no temporary left
+
+
+def test_json_lines_nested_too_deeply_or_with_huge_integers_are_one_line(tmp_path):
+    import sys
+
+    out = str(tmp_path / "out")
+    deep = _write(tmp_path / "deep.jsonl",
+                  b'{"text": "ok"}\n{"text": "x", "n": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n")
+    with pytest.raises(DataError) as e:
+        prepare([deep], "byte", out)
+    assert str(e.value) == (f"{deep}:2: JSON nested too deeply to read (more than Python's recursion limit, "
+                            f"{sys.getrecursionlimit()} levels)")
+    big = _write(tmp_path / "big.jsonl", b'{"text": "x", "n": ' + b"1" * 100_000 + b"}\n")
+    with pytest.raises(DataError) as e:
+        prepare([big], "byte", out)
+    assert str(e.value) == f"{big}:1: cannot read its JSON (an integer of more than {sys.get_int_max_str_digits()} " \
+                           "digits)"
+    assert sorted(os.listdir(tmp_path)) == ["big.jsonl", "deep.jsonl"]

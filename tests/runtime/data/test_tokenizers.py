@@ -5,6 +5,7 @@ first; SentencePiece gets Megatron's special tokens; the vocabulary pads as Mega
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -93,3 +94,46 @@ def test_vocabulary_padding_and_the_null_tokenizer():
     assert (null.vocab_size, null.eod, null.encode("5 6 999")) == (1001, 1000, [5, 6, 999])
     with pytest.raises(DataError, match="unknown"):
         build_tokenizer("Bert")
+
+
+def test_tiktokenizer_vocabularies_too_small_for_its_special_tokens_or_its_bytes(tmp_path):
+    # --vocab-size at or below the special tokens; or above them but cutting off single-byte ranks,
+    # on which tiktoken panics (pyo3's PanicException, a BaseException) at the first encode
+    pytest.importorskip("tiktoken")
+    plain, _ = tiktoken_files(tmp_path)
+
+    def tik(vocab_size, specials=1000):
+        tok = build_tokenizer("TikTokenizer", tokenizer_model=plain, tiktoken_pattern="v2", vocab_size=vocab_size,
+                              tiktoken_num_special_tokens=specials)
+        return tok.encode("hello \xff")
+
+    for vocab_size, byte in ((1001, "0x01 (rank 1)"), (1255, "0xff (rank 255)")):
+        with pytest.raises(DataError) as e:
+            tik(vocab_size)
+        assert str(e.value) == (f"--vocab-size {vocab_size}: with 1000 special tokens it keeps ranks 0..{vocab_size - 1001} "
+                                f"of {plain}, which leave out the single byte {byte}; byte-level BPE needs every byte: "
+                                "give --vocab-size at least 1256")
+    with pytest.raises(DataError) as e:
+        tik(500)
+    assert str(e.value) == ("--vocab-size 500: TikTokenizer's 1000 special tokens (--tiktoken-num-special-tokens) "
+                            "take ids 0..999, so the vocabulary must be larger than 1000, with room for the ranks of "
+                            "every single byte after them")
+    with pytest.raises(DataError, match=r"^--tiktoken-num-special-tokens 2: must be at least 3 \(<unk>, <s>, </s>\)$"):
+        tik(1256, specials=2)
+    assert tik(1256) == [1000 + b for b in "hello \xff".encode()]  # the bytes alone: no merge kept
+    tokens = [bytes([b]) for b in range(255)] + [b"ab"]  # 0xff has no rank
+    (tmp_path / "no-ff.tiktoken").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n"
+                                                     for r, t in enumerate(tokens)))
+    with pytest.raises(DataError, match=r"no rank for the single byte 0xff \(1 of the 256 bytes have none\)"):
+        build_tokenizer("TikTokenizer", tokenizer_model=str(tmp_path / "no-ff.tiktoken"), tiktoken_pattern="v2",
+                        vocab_size=1255, tiktoken_num_special_tokens=1000)
+
+
+def test_null_tokenizer_names_what_is_not_an_id():
+    null = build_tokenizer("NullTokenizer", vocab_size=1000)
+    with pytest.raises(DataError) as e:
+        null.encode("5 " + "9" * 100_000)  # more digits than Python converts
+    assert str(e.value) == "NullTokenizer: token id 99999999999999999999... (100000 digits) is far too large for any " \
+                           "vocabulary"
+    with pytest.raises(DataError, match=r"^NullTokenizer reads space-separated token ids; the text holds 'x7'$"):
+        null.encode("5 x7 6")
