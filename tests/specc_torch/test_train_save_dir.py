@@ -15,49 +15,12 @@ import time
 import types
 
 import pytest
-
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
-SMALL = ("--micro-batch-size", "2", "--global-batch-size", "2", "--eval-iters", "0", "--log-interval", "1",
-         "--no-progress")
+from train_cli import GPT_TINY, ROOT, SMALL, one_error_line, small_corpus
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from runtime.data import prepare, stdlib_files
-
-    out = str(tmp_path_factory.mktemp("save_dir") / "corpus")
-    prepare(stdlib_files(limit=4), "byte", out)
-    return out
-
-
-@pytest.fixture
-def specc(capfd):
-    """specc(*argv) -> (exit code, stdout, stderr), in this process, as `specc` runs it."""
-    from specc import cli
-    from specc.commands import register_all
-
-    def run(*argv):
-        parser = cli.build_parser()
-        sub = next(a for a in parser._actions if isinstance(a, type(parser._subparsers._group_actions[0])))
-        if "train" not in sub.choices:
-            register_all(sub)
-        build, cli.build_parser = cli.build_parser, lambda: parser
-        try:
-            code = cli.main([str(a) for a in argv])
-        finally:
-            cli.build_parser = build
-        out, err = capfd.readouterr()
-        return code, out, err
-
-    return run
-
-
-def _one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if not line.startswith("launching ")]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err and "ChildFailedError" not in err, err
-    return lines[0]
+    return small_corpus(tmp_path_factory.mktemp("save_dir"))
 
 
 def _contents(directory) -> dict:
@@ -86,7 +49,7 @@ def test_a_second_run_is_refused_and_a_killed_run_is_resumed_never_overwritten(s
             code, out, err = specc("train", GPT_TINY, "--train-iters", "2", "--save", ckpt, *resume, "--data-path",
                                    corpus, "--run-dir", tmp_path / "second", *SMALL)
             assert code == 2, out + err
-            line = _one_error_line(err)
+            line = one_error_line(err)
             assert line.startswith(f"error: --save {ckpt}: {ckpt}: in use by another run (pid {first.pid} on "
                                    f"{socket.gethostname()}, since "), line
             assert line.endswith(f"which holds {ckpt}/run.lock); a save directory belongs to one run at a time: "
@@ -105,7 +68,7 @@ def test_a_second_run_is_refused_and_a_killed_run_is_resumed_never_overwritten(s
                                "--run-dir", tmp_path / "fresh", *SMALL)
         assert code == 2, out + err
         loads = f" (it loads {tmp_path / 'elsewhere'})" if load else ""
-        assert _one_error_line(err) == (f"error: --save {ckpt} holds checkpoints (latest step {step}) that this run did "
+        assert one_error_line(err) == (f"error: --save {ckpt} holds checkpoints (latest step {step}) that this run did "
                                         f"not write: a new run{loads} never overwrites them; resume them with --load "
                                         f"{ckpt}, or give another --save directory")
     assert _contents(ckpt) == before

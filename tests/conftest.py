@@ -1,3 +1,5 @@
+"""Fixtures every test folder shares."""
+
 import pytest
 
 
