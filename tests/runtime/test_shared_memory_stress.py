@@ -1,4 +1,4 @@
-"""The shared-memory transport under stress: every group of a TP x CP x PP x DP grid issuing
+"""The shared-memory transport under stress: every group of a TP x CP x DP grid issuing
 collectives at once (blocking and async, every kind, several dtypes, sizes from one element to
 many slots), in orders the runtime allows (each group's ranks in the same order, groups
 interleaved consistently); a rank that issues something else is named; a peer that dies
@@ -32,7 +32,7 @@ SLOT_BYTES = 4096
 # so the expected result is exact whatever order a transport adds in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
-OPS = 120
+OPS = 100
 
 
 def _schedule(seed: int) -> list:
@@ -113,9 +113,8 @@ def _stress(rank, world, layout):
         plain.destroy()
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, cp=2, pp=2), dict(tp=2, pp=2, dp=2)], ids=["tp2cp2pp2", "tp2pp2dp2"])
-def test_every_group_at_once_in_allowed_orders(gloo, layout):
-    checked = gloo.run(8, _stress, layout)
+def test_every_group_at_once_in_allowed_orders(gloo):
+    checked = gloo.run(8, _stress, dict(tp=2, cp=2, dp=2))  # 8 ranks: three of the four axes at a time
     # every rank is in each group of size 2 (3 of the 4 axes): about 3/4 of the operations are its own
     assert all(n > OPS // 2 for n in checked), checked
 
@@ -148,22 +147,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _dying(rank, world, port, when, results):
+def _dying(rank, world, port, results):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     pg = ProcessGroups.initialize(tp=world, transport="shm")
     t = torch.ones(1000)
     comm.all_reduce(t, pg.tp)  # every rank alive and in step
-    if rank == 1:
-        if when == "mid":  # issued an async operation, then killed before the next one
-            comm.all_reduce(t, pg.tp, async_op=True)
+    if rank == 1:  # issues an async operation, then is killed before the next one
+        comm.all_reduce(t, pg.tp, async_op=True)
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
-        comm.all_reduce(t, pg.tp)
-        if when == "mid":
-            comm.all_reduce(t, pg.tp)
+        comm.all_reduce(t, pg.tp)  # rank 1's async one: its data is in its slot
+        comm.all_reduce(t, pg.tp)  # one rank 1 never reaches
         results.put((rank, "no error", time.monotonic() - start))
     except RuntimeError as e:
         results.put((rank, str(e), time.monotonic() - start))
@@ -172,12 +169,13 @@ def _dying(rank, world, port, when, results):
     os._exit(0)  # the group is broken: no teardown
 
 
-@pytest.mark.parametrize("when", ["before", "mid"])
-def test_a_peer_killed_mid_run_is_an_error_within_a_second(when):
+def test_a_peer_killed_mid_run_is_an_error_within_a_second():
+    """Rank 1 issues an async all-reduce (its data and counter are in) and is SIGKILLed before the
+    next: the others finish that operation from its slot, then wait for one it never reaches."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     world, port = 3, _free_port()
-    procs = [ctx.Process(target=_dying, args=(r, world, port, when, results)) for r in range(world)]
+    procs = [ctx.Process(target=_dying, args=(r, world, port, results)) for r in range(world)]
     for p in procs:
         p.start()
     got = {}
@@ -195,6 +193,6 @@ def test_a_peer_killed_mid_run_is_an_error_within_a_second(when):
     assert procs[1].exitcode == -signal.SIGKILL
     assert sorted(got) == [0, 2]
     for rank, (message, waited) in got.items():
-        assert "rank 1 (pid " in message and ") of the group exited before reaching operation" in message, message
+        assert "rank 1 (pid " in message and ") of the group exited before reaching operation 3" in message, message
         assert message.startswith("shared-memory collective on group 'tp': ")
         assert waited < 10, f"rank {rank} took {waited:.1f} s to notice"
