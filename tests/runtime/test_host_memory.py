@@ -22,30 +22,34 @@ if sys.argv[1] == "retain":
 def cycle():
     blocks = [torch.empty(mib << 18).fill_(1.0) for mib in range(1, 17)]
     del blocks
+start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(2):
     cycle()
-start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+warm = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(6):
     cycle()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+print(warm - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - warm)
 """
 
 
-def _faults(mode: str) -> int:
+def _faults(mode: str) -> tuple:
+    """(page faults of the 2 warm-up rounds, of the 6 rounds after them)."""
     out = subprocess.run([sys.executable, "-c", CYCLES, mode], capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[-1])
+    warm, later = out.stdout.split()[-2:]
+    return int(warm), int(later)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_retained_memory_is_not_faulted_in_again():
-    released, retained = _faults("release"), _faults("retain")
-    pages = 6 * sum(range(1, 17)) * 256  # every round's blocks, in 4 KiB pages
+    round_pages = sum(range(1, 17)) * 256  # one round's blocks, in 4 KiB pages
     largest = 16 * 256  # the 16 MiB block's pages
-    # glibc's defaults hand part of it back and fault it in again (18% of the pages here); retained,
-    # the heap serves every round from what the last one freed. A busy machine has shown one
-    # largest block faulted in once more while retained (4,096 pages of 208,896): the bound
-    # allows two, still a quarter of what the defaults fault
-    assert pages / 100 < released and retained <= 2 * largest < released / 2
+    warm, retained = _faults("retain")
+    # the first rounds fault fresh pages in (the count sees them); retained, the heap serves
+    # every later round from what the one before freed: at most the largest block again, twice
+    # (seen once here: 4,096 pages of the 6 rounds' 208,896)
+    # (glibc's defaults hand part of it back and fault it in again: 34,000-38,000 pages, 16-18%, in a
+    # process of its own here, but once as few as 4,096 in the middle of the suite: not a bound to test)
+    assert warm >= round_pages // 2 and retained <= 2 * largest, (warm, retained)
 
 
 def test_without_glibc_nothing_is_set(monkeypatch):
