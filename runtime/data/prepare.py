@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from ..files import kind_of_mode, not_a_file, replace
+from .encode import DEFAULT_SECONDS, Encoder, check_time_limit
 from .errors import DataError
 from .indexed import TOKEN_DTYPES, IndexedDatasetBuilder, bin_path, dtype_capacity, idx_path, optimal_dtype
 from .tokenizer import build_tokenizer
@@ -128,12 +129,14 @@ def _documents(path: str, json_key: str):
 
 
 def prepare(files: list, tokenizer, output_prefix: str, token_dtype: str = "auto", json_key: str = "text",
-            append_eod: bool = True, log=None) -> dict:
+            append_eod: bool = True, log=None, time_limit: float = DEFAULT_SECONDS) -> dict:
     """Tokenize `files` into OUTPUT_PREFIX.bin/.idx with a tokenizer (a --tokenizer-type name,
     'byte', a tokenizer.json path, or an object with vocab_size/eod/name/encode/describe);
-    returns what PREFIX.specc.json records."""
+    returns what PREFIX.specc.json records. Tokenizing may take `time_limit` seconds plus one per
+    encode.CHARS_PER_SECOND characters (encode.py: a pattern that backtracks without end stops)."""
     if not files:
         raise DataError("no input files")
+    time_limit = check_time_limit(time_limit)
     tok = build_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     if token_dtype == "auto":
         dtype = np.dtype(optimal_dtype(tok.vocab_size))
@@ -166,20 +169,20 @@ def prepare(files: list, tokenizer, output_prefix: str, token_dtype: str = "auto
         sources, num_tokens = [], 0
         as_bytes = isinstance(tok.encode(""), bytes)  # the byte tokenizer's ids are the text's bytes
         try:
-            for path in files:
-                n_file = 0
-                for where, text in _documents(path, json_key):
-                    ids = _token_ids(tok, text, as_bytes, where)
-                    _check_ids(ids, tok, dtype, where)
-                    if eod is not None:
-                        ids = np.append(ids.astype(np.int64), eod)
-                    if len(ids) == 0:
-                        continue
-                    builder.add_item(ids)
-                    builder.end_document()
-                    n_file += len(ids)
-                sources.append({"path": os.path.abspath(path), "tokens": n_file})
-                num_tokens += n_file
+            with Encoder(tok, as_bytes, time_limit) as encoder:
+                for path in files:
+                    n_file = 0
+                    for where, ids in encoder.encoded(_documents(path, json_key)):
+                        _check_ids(ids, tok, dtype, where)
+                        if eod is not None:
+                            ids = np.append(ids.astype(np.int64), eod)
+                        if len(ids) == 0:
+                            continue
+                        builder.add_item(ids)
+                        builder.end_document()
+                        n_file += len(ids)
+                    sources.append({"path": os.path.abspath(path), "tokens": n_file})
+                    num_tokens += n_file
         finally:
             builder.close()
         if num_tokens == 0:
@@ -209,23 +212,6 @@ def prepare(files: list, tokenizer, output_prefix: str, token_dtype: str = "auto
         log(f"wrote {output_prefix}.bin/.idx: {meta['num_documents']} documents, {num_tokens} tokens ({dtype.name}, "
             f"vocabulary {tok.vocab_size}{eod_note}) from {len(files)} files in {time.monotonic() - start:.1f}s")
     return meta
-
-
-def _token_ids(tok, text: str, as_bytes: bool, where: str) -> np.ndarray:
-    """The ids of one document, as an array (int64, or uint8 for the byte tokenizer)."""
-    try:
-        ids = tok.encode(text)
-    except DataError as e:  # the tokenizer's own complaint (NullTokenizer: not ids), located here
-        raise DataError(f"{where}: {e}") from None
-    if as_bytes:
-        return np.frombuffer(ids, dtype=np.uint8)
-    try:
-        return np.asarray(ids, dtype=np.int64)
-    except OverflowError:  # an id beyond 64 bits: found one by one, on this error path only
-        bad = next(i for i in ids if not -2 ** 63 <= int(i) < 2 ** 63)
-        digits = str(bad)
-        shown = digits if len(digits) <= 30 else f"{digits[:20]}... ({len(digits)} digits)"
-        raise DataError(f"{where}: token id {shown} does not fit in 64 bits, let alone in a token file") from None
 
 
 def _check_ids(ids: np.ndarray, tok, dtype: np.dtype, where: str) -> None:

@@ -83,6 +83,7 @@ class ByteTokenizer:
     name = "ByteTokenizer"
     vocab_size = 256
     eod = None
+    linear_time = True  # str.encode: tokenized in the process, no time limit needed (encode.py)
 
     def encode(self, text: str) -> bytes:
         return text.encode("utf-8")
@@ -98,6 +99,7 @@ class _TokenizersTokenizer:
     """A `tokenizers.Tokenizer`, no special tokens added when encoding."""
 
     name = ""
+    patterns: tuple = ()  # the regular expressions its file gives (named when tokenizing runs too long)
 
     def encode(self, text: str) -> list:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -161,8 +163,8 @@ class HuggingFaceTokenizer(_TokenizersTokenizer):
         try:
             with open(path, "rb") as f:
                 raw = f.read()
-            json.loads(raw.decode("utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            config = json.loads(raw.decode("utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
             raise DataError(f"{flag} {path}: not a readable JSON tokenizer file ({_short(e)})") from None
         _library("tokenizers", f"{flag} {path}: reading a tokenizer.json")
         from tokenizers import Tokenizer
@@ -172,6 +174,7 @@ class HuggingFaceTokenizer(_TokenizersTokenizer):
         except Exception as e:  # the library raises its own exception types for bad files
             raise DataError(f"{flag} {path}: not a valid tokenizer.json ({_short(e)})") from None
         self.path = path
+        self.patterns = _regex_patterns(config)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = None
         self.files = {"tokenizer_model": path}
@@ -317,6 +320,7 @@ class TikTokenizer:
         except Exception as e:  # tiktoken's own errors for inconsistent ranks
             raise DataError(f"--tokenizer-model {tokenizer_model}: tiktoken refuses these ranks ({_short(e)})") from None
         self.eod = specials.index("</s>")
+        self.patterns = (pattern,)
         self.files = {"tokenizer_model": tokenizer_model}
         self.settings = {"tiktoken_pattern": tiktoken_pattern, "num_special_tokens": num_special_tokens}
 
@@ -328,6 +332,21 @@ class TikTokenizer:
 
     def describe(self) -> dict:
         return {**_describe(self, self.files), **self.settings}
+
+
+def _regex_patterns(config) -> tuple:
+    """The regular expressions of a tokenizer.json, in file order, each once: every `{"Regex": ...}`
+    (Split pre-tokenizers, Replace normalizers and decoders, at any depth of a Sequence)."""
+    found, stack = [], [config]
+    while stack:  # by hand: the file's nesting is not bounded by Python's recursion limit
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("Regex"), str) and node["Regex"] not in found:
+                found.append(node["Regex"])
+            stack.extend(reversed(list(node.values())))
+        elif isinstance(node, list):
+            stack.extend(reversed(node))
+    return tuple(found)
 
 
 def _tiktoken_ranks(path: str) -> dict:
@@ -362,6 +381,7 @@ class NullTokenizer:
     --vocab-size + 1, the last id the end of document."""
 
     name = "NullTokenizer"
+    linear_time = True  # split and int(): tokenized in the process, no time limit needed (encode.py)
 
     def __init__(self, vocab_size):
         if vocab_size is None or vocab_size < 1:

@@ -90,7 +90,7 @@ def test_only_its_own_files_are_replaced(tmp_path):
 
 
 def test_the_cli_prepares_with_megatrons_flags_and_refuses_with_one_line(tmp_path, capsys):
-    from specc.cli import main
+    from specc_cli.main import main
 
     src = _write(tmp_path / "a.jsonl", b'{"body": "3 7"}\n')
     assert main(["data", "prepare", "--input", src, "--json-keys", "body", "--tokenizer-type", "NullTokenizer",
@@ -216,3 +216,61 @@ def test_json_lines_nested_too_deeply_or_with_huge_integers_are_one_line(tmp_pat
     assert str(e.value) == f"{big}:1: cannot read its JSON (an integer of more than {sys.get_int_max_str_digits()} " \
                            "digits)"
     assert sorted(os.listdir(tmp_path)) == ["big.jsonl", "deep.jsonl"]
+
+
+def test_a_tokenizer_pattern_that_backtracks_without_end_stops_in_bounded_time(tmp_path):
+    # A tokenizer.json whose Split pattern (a+)+$ backtracks exponentially: each run of 20 a's and
+    # a b costs Oniguruma about 2^21 steps, so 300 of them took 33 s and each such line adds 0.1 s
+    # without end (30 a's at once made it panic: a Rust backtrace). The tokenizing runs in a worker
+    # under the time limit (1 s here, plus 1 s per 10,000 characters); prepare runs in a thread, so
+    # a hang fails the test after 30 s.
+    import threading
+    import time
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    from runtime.data import HuggingFaceTokenizer
+
+    hf = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"(a+)+$"), behavior="isolated")
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = HuggingFaceTokenizer(str(tmp_path / "tokenizer.json"))
+    assert tok.patterns == ("(a+)+$",)
+    fine = _write(tmp_path / "in" / "a.jsonl", b"".join(b'{"text": "a b %d"}\n' % i for i in range(600)))
+    slow = _write(tmp_path / "in" / "b.txt", b"aaaaaaaaaaaaaaaaaaaab " * 300)
+    panics = _write(tmp_path / "in" / "c.txt", b"a" * 30 + b"b")
+    out = str(tmp_path / "out")
+    before = sorted(os.listdir(tmp_path))
+
+    def run(files, time_limit=1):
+        outcome = []
+
+        def target():
+            try:
+                outcome.append(prepare(files, tok, out, time_limit=time_limit))
+            except BaseException as e:  # noqa: BLE001 - handed to the test
+                outcome.append(e)
+
+        start = time.monotonic()
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert outcome, "tokenizing did not stop within 30 s"
+        return outcome[0], time.monotonic() - start
+
+    error, seconds = run([slow])
+    assert isinstance(error, DataError), error
+    assert str(error).startswith(f"{slow}: tokenizing stopped at its time limit (")
+    assert str(error).endswith(f"characters: --tokenize-time-limit 1 s plus 1 s per 10,000 characters); the split "
+                               f"pattern '(a+)+$' of HuggingFaceTokenizer {tok.path} backtracks catastrophically on it")
+    assert seconds < 10 and "\n" not in str(error)
+    error, _ = run([panics], time_limit=20)  # Oniguruma's retry limit, not ours: well within it
+    assert str(error) == (f"{panics}: the tokenizer failed on it (Onig: Regex search error: retry-limit-in-match "
+                          f"over): the split pattern '(a+)+$' of HuggingFaceTokenizer {tok.path} backtracks "
+                          "catastrophically on it")
+    assert sorted(os.listdir(tmp_path)) == before  # nothing written, no temporary left
+    # the documents before, 600 lines in two batches to the worker, are the tokenizer's ids in order
+    meta, _ = run([fine], time_limit=20)
+    assert meta["num_documents"] == 600
+    data = open_dataset(out)
+    assert [data.document(i).tolist() for i in (0, 599)] == [hf.encode("a b 0").ids, hf.encode("a b 599").ids]
