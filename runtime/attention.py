@@ -8,6 +8,11 @@ sequence chunks and attention runs over the whole sequence through
 runtime.context_parallel (comm type "p2p" ring or "all_gather"; backends sdpa and unfused),
 with the same window, soft-cap and document masks by global position (document ids stay the
 whole sequence's [b, S]).
+
+ALiBi (BLOOM, MPT; `alibi_max_bias`): slope_h * (j - i) added to the scaled scores, slope_h by
+the GLOBAL query head index (this rank's heads are tp.rank * num_heads onwards), so every TP and
+CP layout adds what one device adds. Chunked attention (Llama 4; `chunk`): a query sees only the
+keys of its own chunk of `chunk` positions.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class CoreAttention(nn.Module):
         window: int | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        chunk: int | None = None,
+        alibi_max_bias: float | None = None,
     ):
         super().__init__()
         self.tp = tp or Group.single("tp")  # only the TP-invariant dropout mode needs it
@@ -60,8 +67,17 @@ class CoreAttention(nn.Module):
             raise ValueError(f"attention window must be >= 1 token, got {window}")
         if softcap is not None and softcap <= 0:
             raise ValueError(f"attention softcap must be > 0, got {softcap}")
-        if backend in ("flash", "te") and (window is not None or softcap is not None or scale is not None):
-            raise ValueError(f"backend {backend!r} is not wired for a window, soft-cap or custom scale; use 'sdpa'")
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"attention chunk must be >= 1 token, got {chunk}")
+        if backend in ("flash", "te") and any(x is not None for x in (window, softcap, scale, chunk, alibi_max_bias)):
+            raise ValueError(f"backend {backend!r} is not wired for a window, chunks, ALiBi, soft-cap or custom "
+                             "scale; use 'sdpa'")
+        self.chunk, self.alibi_max_bias = chunk, alibi_max_bias
+        slopes = None  # ALiBi: this rank's heads' slopes, of all num_heads * tp.size heads
+        if alibi_max_bias is not None:
+            slopes = alibi_slopes(num_heads * self.tp.size, alibi_max_bias)
+            slopes = slopes[self.tp.rank * num_heads:(self.tp.rank + 1) * num_heads]
+        self.register_buffer("alibi", slopes, persistent=False)
         self.window, self.softcap = window, softcap
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -91,7 +107,7 @@ class CoreAttention(nn.Module):
                     q, k, v, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                     cp=self.cp, comm_type=self.cp_comm_type, causal=self.causal, dropout_p=p, softmax_scale=self.scale,
                     rng_tracker=self.rng_tracker, tp=self.tp, window=self.window, softcap=self.softcap,
-                    document_ids=document_ids)
+                    document_ids=document_ids, chunk=self.chunk, alibi_slopes=self.alibi)
             if self.backend == "te":
                 return self.te_attention(q4, k4, v4)  # sbhd in, [s, b, nh * d] out
             if self.backend == "flash":
@@ -105,7 +121,7 @@ class CoreAttention(nn.Module):
         """Which keys each query may see ([b or 1, 1, sq, sk], True: attend), or None for all of
         them. A window of w keeps the w most recent keys, the query's own included (HF's
         sliding_window); without a causal mask it reaches w - 1 tokens each way."""
-        if not (self.causal or self.window is not None or document_ids is not None):
+        if not (self.causal or self.window is not None or self.chunk is not None or document_ids is not None):
             return None
         qi = torch.arange(sq, device=device)[:, None]
         kj = torch.arange(sk, device=device)[None, :]
@@ -114,6 +130,8 @@ class CoreAttention(nn.Module):
             allowed &= kj <= qi
         if self.window is not None:
             allowed &= (qi - kj).abs() < self.window
+        if self.chunk is not None:
+            allowed &= qi // self.chunk == kj // self.chunk
         allowed = allowed[None, None]
         if document_ids is not None:
             allowed = allowed & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
@@ -125,7 +143,7 @@ class CoreAttention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q4, k4, v4))
         invariant = p > 0 and self.rng_tracker is not None and self.rng_tracker.tp_invariant
-        plain = self.window is None and document_ids is None
+        plain = self.window is None and self.chunk is None and self.alibi is None and document_ids is None
         # SDPA draws its own dropout mask (the debug mode needs ours) and cannot soft-cap scores
         if self.backend == "sdpa" and not invariant and self.softcap is None:
             # SDPA groups query heads over kv heads itself: no repeated copies of k and v are kept
@@ -133,11 +151,20 @@ class CoreAttention(nn.Module):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal, scale=self.scale,
                                                       enable_gqa=group > 1)
             allowed = self._allowed(q.shape[2], k.shape[2], document_ids, q.device)
+            if self.alibi is not None:  # a float mask: the bias, -inf where not allowed
+                bias = self._alibi_bias(q.shape[2], k.shape[2], q.dtype, q.device)
+                allowed = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
             return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p, scale=self.scale,
                                                   enable_gqa=group > 1)
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return self._unfused(q, k, v, p, document_ids)
+
+    def _alibi_bias(self, sq: int, sk: int, dtype, device) -> torch.Tensor:
+        """[1, heads, sq, sk]: slope_h * (j - i). BLOOM adds slope_h * j; softmax does not see the
+        difference (a constant per row), and j - i stays small where j does not."""
+        diff = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None]
+        return (self.alibi.to(device, dtype)[:, None, None] * diff.to(dtype))[None]
 
     def _invariant_keep(self, probs: torch.Tensor, p: float) -> torch.Tensor:
         """TP-invariant debug mode: the mask over all heads, this rank's heads kept."""
@@ -152,6 +179,8 @@ class CoreAttention(nn.Module):
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         if self.softcap is not None:  # Gemma 2: softcap * tanh(scores / softcap), before the mask
             scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.alibi is not None:
+            scores = scores + self._alibi_bias(scores.shape[-2], scores.shape[-1], scores.dtype, scores.device)
         allowed = self._allowed(scores.shape[-2], scores.shape[-1], document_ids, scores.device)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
@@ -179,7 +208,20 @@ class CoreAttention(nn.Module):
                 + (f", window={self.window}" if self.window is not None else "")
                 + (f", scale={self.scale}" if self.scale != 1.0 / math.sqrt(self.head_dim) else "")
                 + (f", softcap={self.softcap}" if self.softcap is not None else "")
+                + (f", chunk={self.chunk}" if self.chunk is not None else "")
+                + (f", alibi_max_bias={self.alibi_max_bias}" if self.alibi is not None else "")
                 + (f", cp={self.cp.size}, cp_comm_type={self.cp_comm_type}" if self.cp.size > 1 else ""))
+
+
+def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> torch.Tensor:
+    """ALiBi's per-head slopes (float32, [num_heads]): 2^(-max_bias * k / n) for k = 1..n with n
+    a power of two; otherwise the next power of two's, those of even k first, then those of odd k
+    (MPT's gen_slopes; with max_bias 8 exactly BLOOM's _get_alibi_slopes)."""
+    n = 2 ** math.ceil(math.log2(num_heads))
+    slopes = 2.0 ** (-torch.arange(1, n + 1, dtype=torch.float64) * (max_bias / n))
+    if n != num_heads:
+        slopes = torch.cat([slopes[1::2], slopes[::2]])[:num_heads]
+    return slopes.float()
 
 
 def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:

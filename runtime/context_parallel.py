@@ -26,9 +26,9 @@ Attention over the CP group (`context_parallel_attention`), two comm types:
   on the order of the keys, only the mask does, and it is built from their positions. It
   computes every (query, key) pair, masked ones included, and keeps the mask for backward.
 
-Both take the masks CoreAttention takes at cp = 1, by global position: a sliding window,
-soft-capped scores (C * tanh(scores / C) before the mask; backward recomputes the tanh), and
-document ids [b, S] of the whole sequence (every CP rank holds the model's inputs whole: the
+Both take the masks CoreAttention takes at cp = 1, by global position: a sliding window, chunks,
+ALiBi's bias, soft-capped scores (C * tanh(scores / C) before the mask; backward recomputes the tanh),
+and document ids [b, S] of the whole sequence (every CP rank holds the model's inputs whole: the
 queries' ids are looked up at the rank's positions, the keys' at theirs; nothing travels).
 
 Only KV heads travel (GQA: num_kv_heads <= num_heads; query head i reads KV head
@@ -53,6 +53,7 @@ import torch
 
 from . import comm
 from .parallel_state import Group
+from .sharding import local_piece
 
 COMM_TYPES = ("p2p", "all_gather")
 
@@ -144,6 +145,7 @@ def context_parallel_attention(
     window: int | None = None,
     softcap: float | None = None,
     document_ids: torch.Tensor | None = None,
+    chunk: int | None = None, alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention of this rank's load-balanced chunks against the full sequence.
 
@@ -156,7 +158,8 @@ def context_parallel_attention(
     i - W < j <= i (causal) or |i - j| < W (bidirectional); `softcap` C turns the scores into
     C * tanh(scores / C) before the mask; `document_ids` [b, S] -- the WHOLE sequence's, in
     natural order, as every CP rank holds the model's inputs -- keeps each query within its
-    document (no gradient).
+    document (no gradient); `chunk` C keeps the keys of the query's own C positions (Llama 4);
+    `alibi_slopes` [num_heads] (this rank's heads) adds slope_h * (j - i) to the scores.
     """
     if comm_type not in COMM_TYPES:
         raise ValueError(f"context-parallel comm type must be one of {COMM_TYPES}, got {comm_type!r}")
@@ -184,7 +187,8 @@ def context_parallel_attention(
         scale=1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale),
         dropout=_dropout_for(q, dropout_p, cp, rng_tracker, tp or Group.single("tp"), num_heads, num_kv_heads),
         window=window, softcap=None if softcap is None else float(softcap),
-        document_ids=None if document_ids is None else document_ids.detach(),
+        document_ids=None if document_ids is None else document_ids.detach(), chunk=chunk,
+        alibi=None if alibi_slopes is None else alibi_slopes.detach().reshape(num_kv_heads, num_heads // num_kv_heads),
     )
     fn = _RingAttention if comm_type == "p2p" else _AllGatherAttention
     return fn.apply(q, k, v, cfg)
@@ -202,11 +206,17 @@ class _Config:
     window: int | None = None
     softcap: float | None = None
     document_ids: torch.Tensor | None = None  # [b, S], natural order
+    chunk: int | None = None
+    alibi: torch.Tensor | None = None  # [G, g] slopes of the local query heads
 
     @property
     def masks_by_position(self) -> bool:
-        """A mask beyond the plain causal one: the ring then builds one per block."""
-        return self.window is not None or self.document_ids is not None
+        """A mask (or bias) beyond the plain causal one: the ring then builds one per block."""
+        return any(x is not None for x in (self.window, self.document_ids, self.chunk, self.alibi))
+
+    def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype):  # ALiBi's slope_h * (j - i): [G, g, sq, sk]
+        diff = None if self.alibi is None else (k_pos.unsqueeze(0) - q_pos.unsqueeze(1)).to(dtype)
+        return None if diff is None else self.alibi.to(dtype)[:, :, None, None] * diff
 
 
 class _BlockDropout:
@@ -233,8 +243,6 @@ def _dropout_for(q, p: float, cp: Group, rng_tracker, tp: Group, heads: int, kv_
     if p == 0.0:
         return _BlockDropout(0.0, None, None, q.device)
     if rng_tracker is not None and rng_tracker.tp_invariant:
-        from .layers import local_piece
-
         s_local, b = q.shape[0], q.shape[1]
         full_len = s_local * cp.size
         full = rng_tracker.full_keep_mask((b, heads * tp.size, full_len, full_len), p, q.device)
@@ -274,13 +282,15 @@ def _from_kv_heads(x: torch.Tensor, dtype) -> torch.Tensor:
     return x.permute(2, 0, 1, 3).reshape(s, b, big_g * d).to(dtype)
 
 
-def _block_forward(q, k, v, scale, masked, keep, p, softcap=None, empty_rows=False):
+def _block_forward(q, k, v, scale, masked, keep, p, softcap=None, empty_rows=False, bias=None):
     """One block: q [b,G,g,sq,d], k/v [b,G,1,sk,d] -> (out [b,G,g,sq,d], lse [b,G,g,sq]).
     `empty_rows`: the mask may hide every key of a row (a window, documents): its lse is -inf
     and its output 0, not NaN."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:  # Gemma 2: C * tanh(scores / C), before the mask
         scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:  # ALiBi
+        scores = scores + bias
     if masked is not None:
         scores = scores.masked_fill(masked, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -290,7 +300,7 @@ def _block_forward(q, k, v, scale, masked, keep, p, softcap=None, empty_rows=Fal
     return torch.matmul(probs, v), lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale, masked, keep, p, softcap=None):
+def _block_backward(q, k, v, dout, lse, delta, scale, masked, keep, p, softcap=None, bias=None):
     """Flash-attention backward of one block from the FINAL lse and delta = rowsum(dout * out):
     returns dq [b,G,g,sq,d], dk and dv [b,G,sk,d]. (Every row's final lse is finite: a query
     always sees its own position.)"""
@@ -299,6 +309,8 @@ def _block_backward(q, k, v, dout, lse, delta, scale, masked, keep, p, softcap=N
     if softcap is not None:
         capped = torch.tanh(scores / softcap)
         scores = capped * softcap
+    if bias is not None:  # a constant: nothing flows back through it
+        scores = scores + bias
     if masked is not None:
         scores = scores.masked_fill(masked, float("-inf"))
     probs = torch.exp(scores - lse.unsqueeze(-1))  # the block's part of the full softmax
@@ -395,6 +407,9 @@ def _block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, cfg: _Config, by_posit
         if cfg.window is not None:
             far = (diff if cfg.causal else diff.abs()) >= cfg.window
             masked = far if masked is None else masked | far
+    if by_position and cfg.chunk is not None:
+        other = (q_pos // cfg.chunk).unsqueeze(1) != (k_pos // cfg.chunk).unsqueeze(0)
+        masked = other if masked is None else masked | other
     if cfg.document_ids is not None:
         docs = cfg.document_ids
         other = (docs[:, q_pos].unsqueeze(2) != docs[:, k_pos].unsqueeze(1))[:, None, None]
@@ -402,13 +417,14 @@ def _block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, cfg: _Config, by_posit
     return masked
 
 
-def _step_blocks(step: int, cfg: _Config, s: int, q_pos: torch.Tensor, device) -> list:
-    """[(query rows, kv rows, mask)] of one ring step."""
+def _step_blocks(step: int, cfg: _Config, s: int, q_pos: torch.Tensor, device, dtype) -> list:
+    """[(query rows, kv rows, mask, bias)] of one ring step (a chunk pair kept whole may be cut by chunks)."""
     n, rank = cfg.cp.size, cfg.cp.rank
     if not cfg.masks_by_position:
-        return [_ring_block(step, rank, n, s, cfg.causal, device)]
+        return [(*_ring_block(step, rank, n, s, cfg.causal, device), None)]
     k_pos = _positions(s, n, (rank - step) % n, device)
-    return [(rows, cols, _block_mask(q_pos[rows], k_pos[cols], cfg, partial))
+    return [(rows, cols, _block_mask(q_pos[rows], k_pos[cols], cfg, partial or cfg.chunk is not None),
+             cfg.bias(q_pos[rows], k_pos[cols], dtype))
             for rows, cols, partial in _ring_blocks(step, rank, n, s, cfg.causal, cfg.window)]
 
 
@@ -451,13 +467,13 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1:  # start the next block's transfer; it runs during this block
                 incoming = torch.empty_like(kv)
                 works = comm.send_recv(kv, nxt_rank, incoming, prev_rank, cp, tag=_KV_TAG)
-            for rows, cols, masked in _step_blocks(step, cfg, s, q_pos, q.device):
+            for rows, cols, masked, bias in _step_blocks(step, cfg, s, q_pos, q.device, dtype):
                 qb = q5[..., rows, :]
                 keep = cfg.dropout.keep((*qb.shape[:-1], cols.stop - cols.start), rows,
                                         _positions(s, n, (rank - step) % n, q.device)[cols])
                 block_out, block_lse = _block_forward(qb, _kv_heads(kv[0, cols], cfg, dtype),
                                                       _kv_heads(kv[1, cols], cfg, dtype), cfg.scale,
-                                                      masked, keep, cfg.dropout.p, cfg.softcap, empty_rows)
+                                                      masked, keep, cfg.dropout.p, cfg.softcap, empty_rows, bias)
                 if out is None:
                     out, lse = block_out, block_lse
                 else:
@@ -501,14 +517,14 @@ class _RingAttention(torch.autograd.Function):
                 dkv_in = torch.empty_like(dkv)
                 works += comm.send_recv(dkv, nxt_rank, dkv_in, prev_rank, cp, tag=_DKV_TAG)
             block_dkv = torch.zeros_like(kv) if need_kv else None
-            for rows, cols, masked in _step_blocks(step, cfg, s, q_pos, q.device):
+            for rows, cols, masked, bias in _step_blocks(step, cfg, s, q_pos, q.device, dtype):
                 qb = q5[..., rows, :]
                 keep = cfg.dropout.keep((*qb.shape[:-1], cols.stop - cols.start), rows,
                                         _positions(s, n, (rank - step) % n, q.device)[cols])
                 dq_b, dk_b, dv_b = _block_backward(qb, _kv_heads(kv[0, cols], cfg, dtype),
                                                    _kv_heads(kv[1, cols], cfg, dtype), dout5[..., rows, :],
                                                    lse[..., rows], delta[..., rows], cfg.scale, masked, keep,
-                                                   cfg.dropout.p, cfg.softcap)
+                                                   cfg.dropout.p, cfg.softcap, bias)
                 dq[..., rows, :] += dq_b
                 if need_kv:
                     block_dkv[0, cols] += _from_kv_heads(dk_b, k.dtype)
@@ -540,9 +556,10 @@ class _AllGatherAttention(torch.autograd.Function):
                  comm.all_gather_into_tensor(v_all, v.contiguous(), cp, async_op=True)]
         q5 = _q_heads(q, cfg, dtype)
         key_positions = _gathered_positions(s, n, q.device)
-        masked = None
+        masked = bias = None
         if cfg.masks_by_position:
-            masked = _block_mask(load_balanced_positions(s, cp, q.device), key_positions, cfg, True)
+            q_pos = load_balanced_positions(s, cp, q.device)
+            masked, bias = _block_mask(q_pos, key_positions, cfg, True), cfg.bias(q_pos, key_positions, dtype)
         elif cfg.causal:
             masked = key_positions.unsqueeze(0) > load_balanced_positions(s, cp, q.device).unsqueeze(1)
         _wait(works)
@@ -550,8 +567,8 @@ class _AllGatherAttention(torch.autograd.Function):
         keep = cfg.dropout.keep((*q5.shape[:-1], n * s), slice(0, s), key_positions)
         # every query sees its own position among all keys: no row is empty
         out, lse = _block_forward(q5, _kv_heads(k_all, cfg, dtype), _kv_heads(v_all, cfg, dtype),
-                                  cfg.scale, masked, keep, cfg.dropout.p, cfg.softcap)
-        ctx.cfg, ctx.masked = cfg, masked
+                                  cfg.scale, masked, keep, cfg.dropout.p, cfg.softcap, bias=bias)
+        ctx.cfg, ctx.masked, ctx.bias = cfg, masked, bias
         result = _from_q_heads(out, q.dtype)
         ctx.save_for_backward(q, k_all, v_all, *_saved_output(ctx, out, result), lse)
         return result
@@ -569,7 +586,7 @@ class _AllGatherAttention(torch.autograd.Function):
                                 _gathered_positions(s, cfg.cp.size, q.device))
         dq, dk_all, dv_all = _block_backward(q5, _kv_heads(k_all, cfg, dtype), _kv_heads(v_all, cfg, dtype),
                                              dout5, lse, delta, cfg.scale, ctx.masked, keep, cfg.dropout.p,
-                                             cfg.softcap)
+                                             cfg.softcap, ctx.bias)
         dk = dv = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             full_dk = _from_kv_heads(dk_all, k_all.dtype).contiguous()  # a view when there is one kv head

@@ -348,25 +348,27 @@ def _documents(S, seed):
     return starts.cumsum(1)
 
 
-MASKS = [  # (causal, window, softcap, documents): a window below, equal to and above the chunk
+MASKS = [  # (causal, window, softcap, documents[, chunk, ALiBi]): a window below, equal to and above the
+    # CP chunk; Llama 4's chunks of 3 and 5 (across the CP chunks), ALiBi alone and with the others
     (True, 3, None, False), (True, 4, 1.5, True), (False, 5, 2.0, False), (False, None, None, True),
     (True, None, 1.5, False), (False, 2, None, True),
+    (True, None, None, False, None, True), (True, None, None, True, 3, True), (True, 5, None, False, 5, False),
 ]
 
 
-def _masked_case(pg, comm_type, causal, window, softcap, documents):
-    """Windows, soft-capped scores and documents by global position vs CP=1's CoreAttention in
-    fp64 (its own mask): out and every gradient, both comm types."""
+def _masked_case(pg, comm_type, causal, window, softcap, documents, chunk=None, alibi=False):
+    """Windows, chunks, ALiBi, soft-capped scores and documents by global position vs CP=1's
+    CoreAttention in fp64 (its own mask and bias): out and every gradient, both comm types."""
     tp, cp, n = pg.tp, pg.cp, pg.cp.size
     nh_l, ng_l, S, pos, local_heads = _rank_heads(pg, KV_HEADS, 60, torch.float32)
     docs = _documents(S, 7) if documents else None
     ref_leaves = [t.double().requires_grad_(True) for t in local_heads]
-    ref = CoreAttention(nh_l, ng_l, D, causal=causal, window=window, softcap=softcap, backend="unfused")(
-        *ref_leaves, docs)
+    kw = dict(causal=causal, window=window, softcap=softcap, chunk=chunk, alibi_max_bias=8.0 if alibi else None, tp=tp)
+    ref = CoreAttention(nh_l, ng_l, D, backend="unfused", **kw)(*ref_leaves, docs)
     q, k, v = (t[pos].clone().requires_grad_(True) for t in local_heads)
-    out = CoreAttention(nh_l, ng_l, D, causal=causal, window=window, softcap=softcap, cp=cp,
-                        cp_comm_type=comm_type)(q, k, v, docs)
-    what = f"cp={n} tp={tp.size} {comm_type} causal={causal} window={window} softcap={softcap} docs={documents}"
+    out = CoreAttention(nh_l, ng_l, D, cp=cp, cp_comm_type=comm_type, **kw)(q, k, v, docs)
+    what = (f"cp={n} tp={tp.size} {comm_type} causal={causal} window={window} softcap={softcap} docs={documents} "
+            f"chunk={chunk} alibi={alibi}")
     close_to(out, ref.detach()[pos], f"{what} out")
     dout = seeded(70, S, B, nh_l * D)
     out.backward(dout[pos].float())
