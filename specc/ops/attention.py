@@ -69,16 +69,37 @@ def _rope_key(key: str, scalings: tuple = ()):
     return requested
 
 
+def _attn_config(key: str):
+    """requested(): config.json's `key`, at its top level or in MPT's attn_config, for every op."""
+    def requested(config, n):
+        nested = config.get("attn_config")
+        block = config if key in config else nested if isinstance(nested, dict) and key in nested else None
+        return None if block is None else [block[key]] * n
+    return requested
+
+
+def _chunks(config, n):
+    """Per layer: Llama 4's attention_chunk_size where layer_types says chunked_attention (or, in
+    older files, no_rope_layers has a 1: its rope layers are the chunked ones), none elsewhere."""
+    size, types = config.get("attention_chunk_size"), config.get("layer_types")
+    if not isinstance(types, list) or not types:
+        flags = config.get("no_rope_layers")
+        if not (isinstance(flags, list) and flags):
+            return None if size is None else [size] * n
+        types = ["chunked_attention" if f else "full_attention" for f in flags]
+    return [size if types[i % len(types)] == "chunked_attention" else None for i in range(n)]
+
+
 def _windows(config, n):
     """Per layer: Hugging Face's sliding_window where layer_types says sliding_attention (or
     everywhere without layer_types), none where it says full_attention (or the older "attention")
-    or use_sliding_window is off; another layer type (chunked attention...) is asked for by its
-    name, which no op models. A list shorter than the layers (a mapping's import_defaults: the
+    or use_sliding_window is off, or chunked_attention (the chunk knob's); another layer type is
+    asked for by its name, which no op models. A list shorter than the layers (a mapping's import_defaults: the
     pattern transformers fills in for older files) repeats."""
     window = config.get("sliding_window")
     types = config.get("layer_types")
     if isinstance(types, list) and types and len(types) <= n:
-        full = ("full_attention", "attention")
+        full = ("full_attention", "attention", "chunked_attention")
         return [window if t == "sliding_attention" else None if t in full else t
                 for t in (types[i % len(types)] for i in range(n))]
     if config.get("use_sliding_window") is False:
@@ -187,6 +208,14 @@ class CoreAttention(OpKind):
              "window_pattern[i % len], 0 for full attention (Gemma 2: [4096, 0])"),
         Attr("scale", "float", minimum=0.0, doc="the score scale; default 1/sqrt(head_dim)"),
         Attr("softcap", "float", minimum=0.0, doc="scores become softcap * tanh(scores / softcap) (Gemma 2)"),
+        Attr("chunk", "int", minimum=1, doc="chunked attention (Llama 4's attention_chunk_size): a query sees only "
+             "the keys of its own chunk of `chunk` positions"),
+        Attr("chunk_pattern", "int_list", minimum=0, doc="per layer of the enclosing repeat, cycled: the chunk of "
+             "layer i is chunk_pattern[i % len], 0 for full attention (Llama 4: [8192, 8192, 8192, 0])"),
+        Attr("alibi", "bool", default=False, doc="ALiBi (BLOOM, MPT): slope_h * (j - i) added to the scores, slope_h "
+             "by the global query head index (the same at any TP, CP, GQA)"),
+        Attr("alibi_max_bias", "float", default=8.0, minimum=0.0,
+             doc="ALiBi's slopes are 2^(-alibi_max_bias * k / n) (MPT's alibi_bias_max; BLOOM's is 8)"),
         Attr("cp_comm_type", "str", default="auto", choices=("auto", "p2p", "all_gather"),
              doc="context parallelism: K/V around a ring of point-to-point sends, or all-gathered; auto: by the cost model"),
     )
@@ -212,6 +241,8 @@ class CoreAttention(OpKind):
                             f"hold each)", f"choose a --tensor-model-parallel-size that divides or is a multiple of {n}")
         if attrs.get("window") and attrs.get("window_pattern"):
             raise SpecError(locs.get("window_pattern"), "give window or window_pattern, not both")
+        if attrs.get("chunk") and attrs.get("chunk_pattern"):
+            raise SpecError(locs.get("chunk_pattern"), "give chunk or chunk_pattern, not both")
 
     def hf_knobs(self):
         def bidirectional(config, n):
@@ -226,23 +257,27 @@ class CoreAttention(OpKind):
                    if config.get("query_pre_attn_scalar") else None,
                    lambda a: a.get("scale") or a["head_dim"] ** -0.5),
             HFKnob("use_bidirectional_attention (causal)", bidirectional, lambda a: a["causal"]),
+            HFKnob("alibi", _attn_config("alibi"), lambda a: a["alibi"]),
+            HFKnob("alibi_bias_max", _attn_config("alibi_bias_max"), lambda a: a["alibi_max_bias"] if a["alibi"] else None),
+            HFKnob("attention_chunk_size", _chunks, lambda a: a.get("chunk")),
         )
 
     def impl_unsupported(self, attrs, impl):
         # runtime.CoreAttention wires flash-attn's and TransformerEngine's kernels for the plain
         # causal or bidirectional softmax only
-        asked = [k for k in ("window", "window_pattern", "scale", "softcap") if attrs.get(k)]
+        asked = [k for k in ("window", "window_pattern", "scale", "softcap", "chunk", "chunk_pattern", "alibi")
+                 if attrs.get(k)]
         if impl in ("flash", "te") and asked:
             return f"is not wired for {', '.join(asked)} (the native path computes them)"
         return ""
 
     def instance_attrs(self, attrs, layer, fail):
-        if not attrs.get("window_pattern"):
-            return attrs
-        if layer is None:
-            fail("window_pattern needs the attention inside a repeated module (it is indexed by the layer)")
-        pattern = attrs["window_pattern"]
-        return {**attrs, "window": pattern[layer % len(pattern)] or None}
+        for key, value in (("window_pattern", "window"), ("chunk_pattern", "chunk")):
+            if attrs.get(key):
+                if layer is None:
+                    fail(f"{key} needs the attention inside a repeated module (it is indexed by the layer)")
+                attrs = {**attrs, value: attrs[key][layer % len(attrs[key])] or None}
+        return attrs
 
     def check_units(self, attrs, in_units, ctx):
         n = self.kv_heads(attrs)
@@ -391,7 +426,8 @@ class CoreAttention(OpKind):
         if cp > 1:
             pairs = cp_pairs(s_q, cp, a.get("cp_comm_type_resolved", "p2p"), a["causal"], a.get("window"))
         else:
-            explicit = node.impl == "unfused" or a.get("softcap") or a.get("window") or len(local_in) == 4
+            explicit = (node.impl == "unfused" or a.get("softcap") or a.get("window") or a.get("chunk")
+                        or a["alibi"] or len(local_in) == 4)
             pairs = s_q * s_q // (2 if a["causal"] and not explicit else 1)
         forward = 2 * 2 * b * pairs * heads * node.attrs["head_dim"]
         return forward, 2 * forward
@@ -404,9 +440,11 @@ class CoreAttention(OpKind):
         heads = q[-1] // node.attrs["head_dim"]
         saved = [(node.inputs[0], numel(q) * elt), (node.inputs[1], numel(k) * elt), (node.inputs[2], numel(v) * elt)]
         a = node.attrs
-        if len(local_in) == 4:  # the per-batch document mask [b, 1, s, s] (bool), kept for backward
+        if a["alibi"]:  # a float mask: the bias, -inf where masked, [b (documents) or 1, heads, s, s]
+            saved.append((node.id + ":attn_mask", (b if len(local_in) == 4 else 1) * heads * s * s * elt))
+        elif len(local_in) == 4:  # the per-batch document mask [b, 1, s, s] (bool), kept for backward
             saved.append((node.id + ":attn_mask", b * s * s))
-        elif a.get("window"):  # one window mask for the batch
+        elif a.get("window") or a.get("chunk"):  # one window (chunk) mask for the batch
             saved.append((node.id + ":attn_mask", s * s))
         if node.impl == "unfused" or a.get("softcap"):  # soft-capping runs the unfused path
             scores = heads * s * s * b
@@ -438,8 +476,10 @@ class CoreAttention(OpKind):
         saved += [(node.id + ":k_all", numel(k) * n * elt), (node.id + ":v_all", numel(v) * n * elt)]
         if len(local_in) == 4:
             saved.append((node.id + ":attn_mask", b * s * s * n))
-        elif a["causal"] or a.get("window"):
+        elif a["causal"] or a.get("window") or a.get("chunk"):
             saved.append((node.id + ":attn_mask", s * s * n))
+        if a["alibi"]:  # the bias of the rank's queries against every key, in the (fp32) compute dtype
+            saved.append((node.id + ":alibi", heads * s * s * n * max(elt, 4)))
         return saved
 
     def note(self, node):
@@ -459,6 +499,10 @@ class CoreAttention(OpKind):
         for key in ("window", "scale", "softcap"):
             if a.get(key):
                 extra += f", {key}={a[key]!r}"
+        if a.get("chunk"):
+            extra += f", chunk={a['chunk']}"
+        if a["alibi"]:  # slopes by global head index: the rank's first head from the TP group
+            extra += f", alibi_max_bias={a['alibi_max_bias']!r}" + (", tp=self.tp" if t > 1 and "tp=" not in extra else "")
         return (f"runtime.CoreAttention({a['num_heads'] // t}, {self.local_kv_heads(a, t)}, {a['head_dim']}, "
                 f"causal={a['causal']}, dropout={a['dropout']!r}, backend=\"{backend}\", rng_tracker=rng_tracker"
                 + extra + ")")
