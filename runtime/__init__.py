@@ -21,6 +21,7 @@ from .layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from .mamba import Mamba2Mixer
 from .mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -86,6 +87,7 @@ __all__ = [
     "is_tp_partial_grad",
     "finalize_model_grads",
     "MoELayer",
+    "Mamba2Mixer",
 ]
 
 # Checkpoints (runtime.checkpoint), imported on first use: torch.distributed.checkpoint alone
