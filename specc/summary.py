@@ -28,10 +28,21 @@ def summarize(graph) -> str:
         if first is not None and first.inputs:
             hidden = graph.values[first.inputs[0]].shape[-1]
             break
-    parts = [f"{layers} layers" if layers else "no repeated layers"]
+    parts = [f"{layers} layers{_kinds(graph, layers)}" if layers else "no repeated layers"]
     if hidden is not None:
         parts.append(f"hidden {hidden}")
     if heads is not None:
         parts.append(f"{heads} heads")
     parts.append(f"{parameter_count(graph):,} parameters")
     return f"{spec.name}: " + ", ".join(parts)
+
+
+def _kinds(graph, layers: int) -> str:
+    """How many layers of each module a repeat with a per-layer pattern holds: " (24 MambaLayer,
+    4 AttentionLayer, 24 MLPLayer)"; "" when its layers are all one module."""
+    scope = next(s for s, n in graph.repeats.items() if n == layers)
+    counts: dict = {}
+    for i in range(layers):
+        module = graph.scopes[f"{scope}.{i}"]
+        counts[module] = counts.get(module, 0) + 1
+    return "" if len(counts) == 1 else " (" + ", ".join(f"{n} {m}" for m, n in counts.items()) + ")"

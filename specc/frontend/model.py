@@ -110,13 +110,23 @@ class Leaf:
 
 @dataclass
 class Ref:
-    """A submodule that is another spec module, optionally repeated."""
+    """A submodule that is another spec module, optionally repeated; or, with `layer_modules`, a
+    repeated submodule whose layers are different modules (a hybrid pattern: module of layer i)."""
 
     name: str
-    module: str
+    module: str  # the (first layer's) module
     repeat: int | None
     loc: Loc  # of the module name it refers to
     name_loc: Loc | None = None  # where the submodule is named
+    layer_modules: tuple = ()  # per layer, its module (from `modules` and `pattern`); () when every layer is `module`
+    module_locs: dict = field(default_factory=dict)  # module name -> where the spec names it
+
+    def module_at(self, i: int) -> str:
+        return self.layer_modules[i] if self.layer_modules else self.module
+
+    def modules(self) -> list:
+        """The modules it instantiates, each once, in order of first use."""
+        return list(dict.fromkeys(self.layer_modules or (self.module,)))
 
 
 @dataclass

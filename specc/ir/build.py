@@ -60,7 +60,7 @@ def _eval(g: Graph, m, scope: str, index: int, e, env: dict, targets: list) -> l
         g.repeats[sub_scope] = sub.repeat
         first = list(args)
         for i in range(sub.repeat):
-            outs = _instantiate(g, sub.module, f"{sub_scope}.{i}", args)
+            outs = _instantiate(g, sub.module_at(i), f"{sub_scope}.{i}", args)
             g.set_call(f"{sub_scope}.{i}", args, outs)
             args = outs + first[1:]  # the first input is threaded; the others reach every layer
         g.set_call(sub_scope, first, args[:1])

@@ -172,10 +172,21 @@ def _fold(graph, raw: list):
             sigs.setdefault(scope, {}).setdefault(index, []).append(_signature(e, e.name[:end]))
     folds = {scope for scope, by_index in sigs.items()
              if len(by_index) == graph.repeats[scope] and all(s == by_index[0] for s in by_index.values())}
+    by_module = _module_folds(graph, sigs, folds)
     out, groups = [], {}
     for e, chain in zip(raw, chains):
         pieces, last, count, shown = [], 0, 1, True
         for scope, index, start, end in chain:
+            if scope in by_module:  # a hybrid pattern: each module's layers fold on their own
+                module, first, n = by_module[scope][index]
+                if index != first:
+                    shown = False
+                    break
+                pieces += [e.name[last:start], "{" + module + "}"]
+                last = end
+                count *= n
+                groups["".join(pieces)] = n
+                continue
             if scope not in folds:
                 continue
             if index != 0:  # instance 0 stands for all of them
@@ -188,6 +199,25 @@ def _fold(graph, raw: list):
         if shown:
             out.append(_renamed(e, "".join(pieces) + e.name[last:], count) if pieces else e)
     return out, groups
+
+
+def _module_folds(graph, sigs: dict, folds: set) -> dict:
+    """Repeated scopes whose layers are several modules (a hybrid pattern) with every module's
+    layers identical: {scope: {index: (module, its first index, its count)}}, so the plan shows
+    `layers.{MambaLayer}.mixer x24`. Not at PP > 1, where the time model places folded entries on
+    the stages by layer index (the layers are listed one by one there)."""
+    out = {}
+    if graph.pipeline is not None:
+        return out
+    for scope, by_index in sigs.items():
+        if scope in folds or len(by_index) != graph.repeats[scope]:
+            continue
+        members: dict = {}
+        for index in range(graph.repeats[scope]):
+            members.setdefault(graph.scopes[f"{scope}.{index}"], []).append(index)
+        if len(members) > 1 and all(by_index[i] == by_index[ix[0]] for ix in members.values() for i in ix):
+            out[scope] = {i: (module, ix[0], len(ix)) for module, ix in members.items() for i in ix}
+    return out
 
 
 _INDEX = re.compile(r"\d+")

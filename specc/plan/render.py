@@ -83,7 +83,10 @@ def plan_text(plan) -> str:
                      f"+{share:.1f}% of the step's matmul FLOPs)")
     if plan.groups:
         per = t["activation_bytes_per_layer"]
-        if per:
+        if per and len(set(per.values())) > 1:  # layers of several modules (a hybrid pattern)
+            lines.append(f"  activations per layer           {human_bytes(min(per.values())):>12} to "
+                         f"{human_bytes(max(per.values()))} (the layers differ)")
+        elif per:
             first = next(iter(per.values()))
             lines.append(f"  activations per layer           {human_bytes(first):>12}")
         for pat, n in sorted(plan.groups.items()):

@@ -436,6 +436,37 @@ def check_modeled(graph, config: dict, where: str, spec_name: str) -> None:
                                   f"models {_shown(have)} at {op.id} ({kind.name})")
 
 
+def layer_kinds(mapping: Mapping, graph, spec_name: str) -> list:
+    """The kind config.json gives each layer of the repeated block (hf.layer_types), by the module
+    the spec builds it from: [] when the mapping declares none."""
+    if mapping.layer_types is None:
+        return []
+    key, names = mapping.layer_types
+    blocks = [scope for scope in graph.repeats if "." not in scope]
+    if len(blocks) != 1:
+        raise HFError(f"spec {spec_name}: hf.layer_types names the kinds of one repeated block, but the model has "
+                      f"{len(blocks)}")
+    modules = [graph.scopes[f"{blocks[0]}.{i}"] for i in range(graph.repeats[blocks[0]])]
+    missing = sorted(set(modules) - set(names))
+    if missing:
+        raise HFError(f"spec {spec_name}: hf.layer_types.names has no kind for module {missing[0]}")
+    return [names[m] for m in modules]
+
+
+def check_layer_kinds(mapping: Mapping, graph, config: dict, where: str, spec_name: str) -> None:
+    """config.json's list of layer kinds (when it has one) must be the spec's, layer by layer."""
+    kinds = layer_kinds(mapping, graph, spec_name)
+    have = config.get(mapping.layer_types[0]) if kinds else None
+    if have is None:
+        return
+    if have != kinds:
+        at = next((i for i, (a, b) in enumerate(zip(have, kinds)) if a != b), min(len(have), len(kinds)))
+        got = f"{have[at]!r}" if isinstance(have, list) and at < len(have) else "nothing"
+        raise HFError(f"{where}: config.json's {mapping.layer_types[0]} has {len(have) if isinstance(have, list) else have} "
+                      f"layers and {got} at layer {at}, but spec {spec_name} builds "
+                      f"{kinds[at] if at < len(kinds) else 'nothing'} there ({len(kinds)} layers)")
+
+
 # -- import -------------------------------------------------------------------------------------------
 
 def _fresh_output(out: str) -> None:
@@ -463,6 +494,7 @@ def import_hf(hf_dir: str, spec_path: str, out: str, overrides: dict | None = No
     # the ops read what transformers would: the architecture's defaults where config.json is silent
     defaults = {k: v for k, v in mapping.import_defaults.items() if config.get(k) is None}
     check_modeled(graph, {**config, **defaults}, hf_dir, spec.name)
+    check_layer_kinds(mapping, graph, config, hf_dir, spec.name)
     source = _SafetensorsDir(hf_dir)
 
     tensors, used = {}, set()
@@ -541,6 +573,8 @@ def export_hf(ckpt: str, spec_path: str, out: str, overrides: dict | None = None
     dtypes = {t.dtype for t in tensors.values()}
     config = {"architectures": [mapping.architecture] if mapping.architecture else None, **mapping.config,
               **mapping.export_config}
+    if mapping.layer_types is not None:
+        config[mapping.layer_types[0]] = layer_kinds(mapping, graph, spec.name)
     if len(dtypes) == 1:
         config["dtype"] = str(dtypes.pop()).replace("torch.", "")
     config = {k: v for k, v in config.items() if v is not None}

@@ -20,6 +20,7 @@ the parameters of the compiled model.
           hf: "gpt_neox.layers.{i}.attention.query_key_value.weight"
           permute: {groups: "${num_attention_heads}", sections: ["${head_dim}", "${head_dim}", "${head_dim}"]}
       ignore: ["lm_head.weight"]                                     # HF tensors that are not imported
+      layer_types: {key: layers_block_type, names: {MambaLayer: mamba, AttentionLayer: attention}}  # per layer, by module
 
 Nothing here knows a model family: which names, which transposes, which splits all come from the
 spec. The structure was checked when the spec was loaded (specc/frontend/load.py, _check_hf).
@@ -64,6 +65,8 @@ class Mapping:
     # features of each head that rotate, read from the spec's rotary ops (convert.with_rotary):
     # the interleaved permutation covers those only (GPT-J rotates 64 of 256)
     rotary_dim: int | None = None
+    # (config.json key, {spec module: its layer kind there}): the kinds of the repeated block's layers
+    layer_types: tuple | None = None
 
 
 def _plain(value):
@@ -129,6 +132,8 @@ def mapping_of(spec) -> Mapping:
         entries=entries,
         ignore=[str(x) for x in hf.get("ignore") or []],
         loc=loc,
+        layer_types=(str(hf["layer_types"]["key"]), {str(k): str(v) for k, v in hf["layer_types"]["names"].items()})
+        if hf.get("layer_types") else None,
     )
 
 
