@@ -6,8 +6,6 @@ init metadata; runtime.init.init_parameters fills them TP-invariantly.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +17,7 @@ from .init import check_segment, segment_piece, tag_parameter
 from .mappings import gather_dim0
 from .parallel_state import Group
 from .random import RNGTracker
+from .rope import ROPE_SCALINGS, RotaryEmbedding, rope_inv_freq  # noqa: F401 (moved there; imported from here)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -383,101 +382,6 @@ class RMSNorm(_Norm):
         weight = torch.cat([self.weight[a:b] for a, b in self.features]) if len(self.features) > 1 else \
             self.weight[self.features[0][0]:self.features[0][1]]
         return (y * self.gain(xf.dtype, weight)).to(x.dtype)
-
-
-ROPE_SCALINGS = ("none", "linear", "llama3")
-
-
-def rope_inv_freq(rotary_dim: int, base: float, scaling: str = "none", factor: float = 1.0,
-                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                  original_max_positions: int = 8192) -> torch.Tensor:
-    """The rotary inverse frequencies [rotary_dim / 2] (float32). "linear" divides them by
-    `factor` (positions interpolated); "llama3" divides the low frequencies (wavelength above
-    original_max_positions / low_freq_factor) by `factor`, keeps the high ones (below
-    original_max_positions / high_freq_factor) and interpolates smoothly between, as Llama 3.1 does."""
-    if scaling not in ROPE_SCALINGS:
-        raise ValueError(f"rope scaling must be one of {ROPE_SCALINGS}, got {scaling!r}")
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    if scaling == "linear":
-        inv_freq = inv_freq / factor
-    elif scaling == "llama3":
-        if high_freq_factor <= low_freq_factor:
-            raise ValueError(f"llama3 rope scaling needs high_freq_factor > low_freq_factor, got "
-                             f"{high_freq_factor} and {low_freq_factor}")
-        wavelen = 2 * math.pi / inv_freq
-        low_wavelen, high_wavelen = original_max_positions / low_freq_factor, original_max_positions / high_freq_factor
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    return inv_freq.float()
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding over the first `rotary_dim` features of each head (all of it by
-    default; GPT-NeoX and Phi rotate a fraction and pass the rest through).
-
-    `interleaved=False` (rotate-half, HF Llama/NeoX): feature f pairs with f + rotary_dim/2;
-    `interleaved=True` (GPT-J, Megatron's rotary_interleaved): features 2i and 2i+1 pair.
-    forward(x [s, b, n*d]) rotates every head of size head_dim at positions 0..s-1; with a
-    context-parallel `cp` of size N > 1, at the global positions of this rank's load-balanced
-    chunks of the N*s sequence (load_balanced_positions). Frequency scaling: rope_inv_freq.
-    """
-
-    def __init__(self, head_dim: int, base: float = 10000.0, *, cp: Group | None = None,
-                 rotary_dim: int | None = None, interleaved: bool = False, scaling: str = "none",
-                 factor: float = 1.0, low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                 original_max_positions: int = 8192):
-        super().__init__()
-        rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        if rotary_dim % 2 != 0 or not 2 <= rotary_dim <= head_dim:
-            raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
-        self.head_dim, self.rotary_dim, self.base, self.cp = head_dim, rotary_dim, base, cp
-        self.interleaved, self.scaling = interleaved, scaling
-        inv_freq = rope_inv_freq(rotary_dim, base, scaling, factor, low_freq_factor, high_freq_factor,
-                                 original_max_positions)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._cache: tuple | None = None  # (seq_len, device, dtype, cos, sin)
-
-    def _cos_sin(self, s: int, device, dtype):
-        cache = self._cache
-        if cache is None or cache[0] < s or cache[1] != device or cache[2] != dtype:
-            positions = torch.arange(s, device=device, dtype=torch.float32)
-            freqs = torch.outer(positions, self.inv_freq.to(device))
-            # rotate-half: [f0 .. f_{r/2-1}, f0 .. f_{r/2-1}]; interleaved: [f0, f0, f1, f1, ...]
-            angles = freqs.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([freqs, freqs], dim=-1)
-            cache = (s, device, dtype, angles.cos().to(dtype), angles.sin().to(dtype))
-            self._cache = cache
-        return cache[3][:s], cache[4][:s]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s, b, width = x.shape
-        if width % self.head_dim != 0:
-            raise ValueError(f"last dim {width} is not a multiple of head_dim {self.head_dim}")
-        heads = x.reshape(s, b, width // self.head_dim, self.head_dim)
-        if self.cp is not None and self.cp.size > 1:
-            cos, sin = self._cos_sin(s * self.cp.size, x.device, x.dtype)
-            positions = load_balanced_positions(s, self.cp, x.device)
-            cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
-        else:
-            cos, sin = self._cos_sin(s, x.device, x.dtype)
-        cos, sin = cos[:, None, None, :], sin[:, None, None, :]
-        rot, rest = heads[..., :self.rotary_dim], heads[..., self.rotary_dim:]
-        if self.interleaved:
-            pairs = rot.reshape(*rot.shape[:-1], self.rotary_dim // 2, 2)
-            rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).reshape(rot.shape)
-        else:
-            first, second = rot.chunk(2, dim=-1)
-            rotated = torch.cat([-second, first], dim=-1)
-        out = rot * cos + rotated * sin
-        if self.rotary_dim < self.head_dim:
-            out = torch.cat([out, rest], dim=-1)
-        return out.reshape(s, b, width)
-
-    def extra_repr(self) -> str:
-        return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}, "
-                f"interleaved={self.interleaved}, scaling={self.scaling}")
 
 
 def full_shape(local_shape, layout: str, tp: Group) -> tuple:

@@ -14,6 +14,7 @@ _TYPES = {
     "bool": {"anyOf": [{"type": "boolean"}, _INTERP]},
     "str": {"type": "string"},
     "int_list": {"type": "array", "items": {"anyOf": [{"type": "integer"}, _INTERP]}, "minItems": 1},
+    "float_list": {"type": "array", "items": {"anyOf": [{"type": "number"}, _INTERP]}, "minItems": 1},
 }
 _IDENT = {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}
 

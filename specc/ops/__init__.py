@@ -1,6 +1,6 @@
 """The registry of op kinds a spec can name with `op:`."""
 
-from .attention import CoreAttention, Rotary
+from .attention import CoreAttention
 from .base import Attr, Ctx, LayoutRule, OpKind, Weight
 from .boundary import BoundaryOp
 from .elementwise import (
@@ -22,14 +22,13 @@ from .elementwise import (
 from .embedding import Embedding, PositionEmbedding
 from .linear import BiasAdd, Linear
 from .loss import CrossEntropy
-from .mamba import Mamba2Mixer
 from .moe import MoE
 from .norm import LayerNorm, RMSNorm
+from .rotary import Rotary
 
 _ALL = (Linear(), BiasAdd(), Embedding(), PositionEmbedding(), LayerNorm(), RMSNorm(), Gelu(), Silu(), Swiglu(),
         Dropout(), Split(), Add(), Mul(), Rotary(), CoreAttention(), CrossEntropy(), BoundaryOp(),
         MoE(),
-        Mamba2Mixer(),
         Relu(), SquaredRelu(), Glu(), Geglu(), Reglu(), Scale(), Softcap())
 OPS = {op.name: op for op in _ALL}
 # what a spec may name with `op:` (builtins come from `+` and `*`; bias_add is made by the compiler)

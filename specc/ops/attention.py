@@ -6,67 +6,12 @@ from __future__ import annotations
 from ..errors import SpecError
 from ..layouts import DTYPE_BYTES
 from .base import Attr, HFKnob, LayoutRule, OpKind, need_divisible, numel
+from .rotary import _rope  # noqa: F401 (the rope settings, for attention's own knobs that read them)
 
 
 def _each(key: str):
     """requested(): config.json's `key` for every op, when it has the key."""
     return lambda config, n: [config[key]] * n if key in config else None
-
-
-def _rope(config: dict) -> dict:
-    """Hugging Face's rotary settings, whichever way the config spells them: transformers 5's
-    rope_parameters, older rope_scaling (type or rope_type) beside rope_theta, GPT-NeoX's rotary_pct."""
-    out = {}
-    for key, new in (("rope_theta", "rope_theta"), ("partial_rotary_factor", "partial_rotary_factor"),
-                     ("rotary_pct", "partial_rotary_factor"), ("rotary_emb_base", "rope_theta")):
-        if config.get(key) is not None:
-            out[new] = config[key]
-    for block in ("rope_scaling", "rope_parameters"):
-        params = config.get(block)
-        if isinstance(params, dict):
-            out.update({k: v for k, v in params.items() if v is not None})
-            if "type" in params and "rope_type" not in params:
-                out["rope_type"] = params["type"]
-    return out
-
-
-def _rope_layers(config: dict, n: int) -> list:
-    """Hugging Face's rotary settings for each of the model's n rotary ops: one set for all, or
-    (Gemma 3, transformers 5) rope_parameters keyed by layer type, picked per layer by
-    layer_types (cycled, as _windows does). A layer calls its rotary for q and for k: with
-    num_hidden_layers dividing n, op i is in layer i // (n / layers). Keyed settings without
-    layer_types to pick them by ask for the keyed dict itself, which no op models."""
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        types = config.get("layer_types")
-        if not (isinstance(types, list) and types):
-            return [{"rope_theta": params, "rope_type": params}] * n
-        layers = config.get("num_hidden_layers")
-        per_layer = n // layers if isinstance(layers, int) and layers > 0 and n % layers == 0 else 1
-        out = []
-        for i in range(n):
-            kind = types[(i // per_layer) % len(types)]
-            per_type = params.get(kind) if isinstance(kind, str) else None
-            if per_type is None:  # a layer type with no settings: asked for by name
-                out.append({"rope_theta": f"no rope_parameters for {kind}", "rope_type": kind})
-                continue
-            out.append(_rope({**{k: v for k, v in config.items() if k != "rope_parameters"},
-                              "rope_parameters": per_type}))
-        return out
-    return [_rope(config)] * n
-
-
-def _rope_key(key: str, scalings: tuple = ()):
-    """requested(): a rotary setting per op; one that belongs to some scalings only (a factor) is
-    asked for on the layers whose rope_type is one of them, and none elsewhere (the op's
-    `modeled` says none when it does not scale that way)."""
-    def requested(config, n):
-        ropes = _rope_layers(config, n)
-        applies = [not scalings or rope.get("rope_type") in scalings for rope in ropes]
-        if not any(key in rope and ok for rope, ok in zip(ropes, applies)):
-            return None
-        return [rope.get(key) if ok else None for rope, ok in zip(ropes, applies)]
-    return requested
 
 
 def _attn_config(key: str):
@@ -105,90 +50,6 @@ def _windows(config, n):
     if config.get("use_sliding_window") is False:
         return [None] * n
     return [window] * n if "sliding_window" in config else None
-
-
-class Rotary(OpKind):
-    name = "rotary"
-    doc = ("Rotary position embedding over [s, b, heads*head_dim]: on the first rotary_dim features of each head, "
-           "rotate-half or interleaved pairs, with optional linear or Llama 3 frequency scaling.")
-    attrs = (
-        Attr("head_dim", "int", required=True, minimum=2),
-        Attr("base", "float", default=10000.0, minimum=1.0),
-        Attr("rotary_dim", "int", minimum=2, doc="features of each head that rotate (GPT-NeoX, Phi); default all"),
-        Attr("interleaved", "bool", default=False, doc="pairs (2i, 2i+1) as GPT-J; default rotate-half (i, i + d/2)"),
-        Attr("scaling", "str", default="none", choices=("none", "linear", "llama3"),
-             doc="frequency scaling: linear divides every frequency by factor; llama3 as Llama 3.1"),
-        Attr("factor", "float", default=1.0, minimum=1.0, doc="scaling factor (linear, llama3)"),
-        Attr("low_freq_factor", "float", default=1.0, minimum=0.0, doc="llama3"),
-        Attr("high_freq_factor", "float", default=4.0, minimum=0.0, doc="llama3"),
-        Attr("original_max_positions", "int", default=8192, minimum=1, doc="llama3: the pre-training context"),
-    )
-    nonlinear = True  # position-dependent: needs the whole sequence on each rank
-
-    def rotary_dim(self, attrs) -> int:
-        return attrs.get("rotary_dim") or attrs["head_dim"]
-
-    def check(self, attrs, locs, ctx):
-        r, d = self.rotary_dim(attrs), attrs["head_dim"]
-        if r % 2 or r > d:
-            raise SpecError(locs.get("rotary_dim", locs.get("head_dim")),
-                            f"rotary_dim={r} must be even and at most head_dim={d}")
-        if attrs["scaling"] == "llama3" and attrs["high_freq_factor"] <= attrs["low_freq_factor"]:
-            raise SpecError(locs.get("high_freq_factor", locs.get("scaling")),
-                            f"llama3 scaling needs high_freq_factor > low_freq_factor, got "
-                            f"{attrs['high_freq_factor']} and {attrs['low_freq_factor']}")
-
-    def out_shapes(self, attrs, shapes, fail):
-        if shapes[0][-1] % attrs["head_dim"] or attrs["head_dim"] % 2:
-            fail(f"last dim {shapes[0][-1]} is not a whole number of even heads of head_dim={attrs['head_dim']}")
-        return [shapes[0]]
-
-    def saved_bytes(self, node, local_in, local_out, elt):
-        return []  # linear in its input: backward needs only the (recomputed) cos/sin
-
-    def hf_knobs(self):
-        return (
-            HFKnob("rope_theta", _rope_key("rope_theta"), lambda a: a["base"]),
-            HFKnob("partial_rotary_factor", _rope_key("partial_rotary_factor"),
-                   lambda a: self.rotary_dim(a) / a["head_dim"]),
-            HFKnob("rope_type", _rope_key("rope_type"), lambda a: {"none": "default"}.get(a["scaling"], a["scaling"])),
-            HFKnob("rope factor", _rope_key("factor", ("linear", "llama3")),
-                   lambda a: a["factor"] if a["scaling"] in ("linear", "llama3") else None),
-            HFKnob("rope low_freq_factor", _rope_key("low_freq_factor", ("llama3",)),
-                   lambda a: a["low_freq_factor"] if a["scaling"] == "llama3" else None),
-            HFKnob("rope high_freq_factor", _rope_key("high_freq_factor", ("llama3",)),
-                   lambda a: a["high_freq_factor"] if a["scaling"] == "llama3" else None),
-            HFKnob("rope original_max_position_embeddings", _rope_key("original_max_position_embeddings", ("llama3",)),
-                   lambda a: a["original_max_positions"] if a["scaling"] == "llama3" else None),
-        )
-
-    def rule_tp(self, attrs, ctx):
-        return LayoutRule(allowed=("I", "R", "S(h)"))
-
-    def rule_cp(self, attrs, ctx):
-        # on a CP shard the rotary module takes the positions of this rank's two chunks
-        return LayoutRule(allowed=("S(s)",))
-
-    def out_segments(self, attrs, in_segments):
-        return in_segments[0] if in_segments else ()
-
-    def constructor(self, node, ctx):
-        a = node.attrs
-        kw = ""
-        if self.rotary_dim(a) != a["head_dim"]:
-            kw += f", rotary_dim={self.rotary_dim(a)}"
-        if a["interleaved"]:
-            kw += ", interleaved=True"
-        if a["scaling"] == "linear":
-            kw += f', scaling="linear", factor={a["factor"]!r}'
-        elif a["scaling"] == "llama3":
-            kw += (f', scaling="llama3", factor={a["factor"]!r}, low_freq_factor={a["low_freq_factor"]!r}, '
-                   f'high_freq_factor={a["high_freq_factor"]!r}, original_max_positions={a["original_max_positions"]}')
-        cp = ", cp=self.cp" if node.in_layouts[0]["cp"] == "S(s)" else ""
-        return f"runtime.RotaryEmbedding({a['head_dim']}, base={a['base']!r}{kw}{cp})"
-
-    def call(self, node, args, ctx):
-        return f"self.{node.attr_name}({args[0]})"
 
 
 class CoreAttention(OpKind):

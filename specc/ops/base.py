@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..errors import Loc, SpecError
 
-TYPES = ("int", "float", "bool", "str", "int_list")
+TYPES = ("int", "float", "bool", "str", "int_list", "float_list")
 
 
 @dataclass(frozen=True)
