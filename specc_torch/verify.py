@@ -333,7 +333,8 @@ def _run(model, pg, cfg, inputs, logits_path, logits_site, sites, dp_batches: in
             activations[path] = [_full_activation(o, calls[min(i, len(calls) - 1)], pg) for i, o in enumerate(outs)]
         if step == 0:
             counts = counter.totals()
-            grads = {n: gather_full(p.grad, p, pg.tp, pg.ep) for n, p in model.named_parameters()}
+            # a parameter without gradient (a MoE router's expert bias) has none to compare
+            grads = {n: gather_full(p.grad, p, pg.tp, pg.ep) for n, p in model.named_parameters() if p.requires_grad}
             replicas = {n: replica_mismatch(p.grad, p, pg.tp) for n, p in model.named_parameters()
                         if p.grad is not None and p._specc_init.replicated_units()}
             logits = captured.get("logits")
@@ -668,7 +669,7 @@ def _run_pipeline(model, pg, cfg, names, inputs) -> dict:
             loss /= pg.dp.size
         losses.append(loss.double().reshape(()))
         if step == 0:
-            grads = _collect(model, pg, lambda p: p.main_grad, init_name, is_tied_copy)
+            grads = _collect(model, pg, lambda p: p.main_grad, init_name, is_tied_copy, trainable=True)
         with torch.no_grad():
             for p in ddp.params:
                 p.add_(p.main_grad, alpha=-cfg.lr)
@@ -682,10 +683,13 @@ def comm_all_reduce(t, group):
     all_reduce(t, group)
 
 
-def _collect(model, pg, what, init_name, is_tied_copy) -> dict:
-    """Full tensors of every parameter of every stage by (checkpoint) name, on every rank."""
+def _collect(model, pg, what, init_name, is_tied_copy, trainable: bool = False) -> dict:
+    """Full tensors of every parameter of every stage by (checkpoint) name, on every rank (only
+    those with a gradient where `trainable`)."""
     mine = {}
     for name, p in model.named_parameters():
+        if trainable and not p.requires_grad:
+            continue
         key = init_name(name, p) + (_COPY if is_tied_copy(p) else "")
         mine[key] = gather_full(what(p).detach(), p, pg.tp)
     everyone = [None] * dist.get_world_size()

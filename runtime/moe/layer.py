@@ -49,7 +49,7 @@ class MoELayer(nn.Module):
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, expert_bias: bool = False,
                  expert_bias_update_rate: float = 1e-3, capacity_factor: float | None = None,
                  shared_expert_size: int = 0, shared_expert_gate: bool = False, grouped: bool = True,
-                 init_std: float = 0.02):
+                 init_std: float = 0.02, num_groups: int = 1, group_topk: int = 1, topk_scaling_factor: float = 1.0):
         super().__init__()
         ep = ep or Group.single("ep")
         self.hidden_size = hidden_size
@@ -57,7 +57,8 @@ class MoELayer(nn.Module):
                                  topk_renorm=topk_renorm, load_balancing_type=load_balancing_type,
                                  aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff, expert_bias=expert_bias,
                                  expert_bias_update_rate=expert_bias_update_rate, capacity_factor=capacity_factor,
-                                 init_std=init_std)
+                                 init_std=init_std, num_groups=num_groups, group_topk=group_topk,
+                                 topk_scaling_factor=topk_scaling_factor)
         self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, tp=tp, ep=ep, activation=activation,
                                   init_std=init_std, grouped=grouped)
         self.shared_experts = (SharedExpertMLP(hidden_size, shared_expert_size, tp=tp, activation=activation,

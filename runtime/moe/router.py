@@ -46,7 +46,7 @@ class TopKRouter(nn.Module):
                  score_function: str = "softmax", topk_renorm: bool = False, load_balancing_type: str = "aux_loss",
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, expert_bias: bool = False,
                  expert_bias_update_rate: float = 1e-3, capacity_factor: float | None = None,
-                 init_std: float = 0.02):
+                 init_std: float = 0.02, num_groups: int = 1, group_topk: int = 1, topk_scaling_factor: float = 1.0):
         super().__init__()
         if score_function not in SCORE_FUNCTIONS:
             raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
@@ -54,14 +54,24 @@ class TopKRouter(nn.Module):
             raise ValueError(f"load_balancing_type must be one of {LOAD_BALANCING_TYPES}, got {load_balancing_type!r}")
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk={topk} must be between 1 and num_experts={num_experts}")
+        if num_groups > 1 and (num_experts % num_groups or not 1 <= group_topk <= num_groups or topk % group_topk
+                               or topk // group_topk > num_experts // num_groups):
+            raise ValueError(f"group-limited routing needs num_experts={num_experts} divisible by num_groups="
+                             f"{num_groups}, 1 <= group_topk={group_topk} <= num_groups, and topk={topk} a multiple "
+                             "of group_topk of at most a group's experts each")
+        self.num_groups, self.group_topk, self.topk_scaling_factor = num_groups, group_topk, float(topk_scaling_factor)
         self.num_experts, self.topk, self.tp, self.cp = num_experts, topk, tp, cp or Group.single("cp")
         self.score_function, self.topk_renorm = score_function, topk_renorm
         self.load_balancing_type, self.aux_loss_coeff, self.z_loss_coeff = load_balancing_type, aux_loss_coeff, z_loss_coeff
         self.capacity_factor, self.expert_bias_update_rate = capacity_factor, expert_bias_update_rate
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         tag_parameter(self.weight, "normal", std=init_std)
-        if expert_bias:  # not trained by backward: updated from the token counts after each step
-            self.register_buffer("expert_bias", torch.zeros(num_experts))
+        if expert_bias:
+            # not trained by backward (updated from the token counts after each step), but part of
+            # the model's state: a parameter without gradient, so checkpoints save it and Hugging
+            # Face import fills it (DeepSeek-V3's e_score_correction_bias)
+            self.expert_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+            tag_parameter(self.expert_bias, "zeros")
             self.register_buffer("tokens_per_expert", torch.zeros(num_experts))
         else:
             self.expert_bias = None
@@ -77,11 +87,13 @@ class TopKRouter(nn.Module):
         """tokens [T, h] -> (weights [T, k], expert ids [T, k], kept [T, k] bool or None)."""
         logits = F.linear(tokens, self.weight).float()
         scores = torch.softmax(logits, dim=-1) if self.score_function == "softmax" else torch.sigmoid(logits)
-        select = scores if self.expert_bias is None else scores + self.expert_bias
-        _, expert_ids = torch.topk(select, self.topk, dim=-1)
+        select = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        expert_ids = self._select(select)
         weights = scores.gather(1, expert_ids)
         if self.topk_renorm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.topk_scaling_factor != 1.0:
+            weights = weights * self.topk_scaling_factor
         kept = self._capacity_mask(scores, expert_ids) if self.capacity_factor else None
         routed = torch.zeros_like(scores).scatter(1, expert_ids, 1.0)  # [T, E] routing map
         if kept is not None:
@@ -109,6 +121,18 @@ class TopKRouter(nn.Module):
             weights = _AttachAuxLoss.apply(weights, aux, self.aux_loss_scale / self.tp.size)
         return weights, expert_ids, kept
 
+    def _select(self, select: torch.Tensor) -> torch.Tensor:
+        """The top-k experts of each token by `select` [T, E]; group-limited (DeepSeek-V3,
+        Megatron's --moe-router-num-groups): only among the group_topk groups of experts whose
+        topk / group_topk best scores sum highest."""
+        if self.num_groups > 1:
+            grouped = select.view(select.shape[0], self.num_groups, -1)
+            group_scores = grouped.topk(self.topk // self.group_topk, dim=-1)[0].sum(dim=-1)
+            groups = torch.topk(group_scores, self.group_topk, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, groups, True)
+            select = select.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        return torch.topk(select, self.topk, dim=-1)[1]
+
     def _capacity_mask(self, scores, expert_ids):
         """Keep at most ceil(T k / E * capacity_factor) tokens per expert, those with the highest
         scores (Megatron's drop policy "probs"); the dropped (token, expert) pairs send nothing."""
@@ -135,4 +159,6 @@ class TopKRouter(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, topk={self.topk}, score={self.score_function}, "
-                f"renorm={self.topk_renorm}, balancing={self.load_balancing_type}")
+                f"renorm={self.topk_renorm}, balancing={self.load_balancing_type}"
+                + (f", groups={self.num_groups}, group_topk={self.group_topk}" if self.num_groups > 1 else "")
+                + (f", scaling={self.topk_scaling_factor}" if self.topk_scaling_factor != 1.0 else ""))

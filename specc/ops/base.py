@@ -132,6 +132,11 @@ class OpKind:
     def weights(self, attrs: dict) -> list:
         return []
 
+    def active_parameters(self, attrs: dict) -> int:
+        """The parameters one token's forward multiplies (the summary's "activated"): all of them,
+        unless the op routes each token through some of its weights only (MoE experts)."""
+        return sum(numel(w.shape) for w in self.weights(attrs))
+
     def out_dtype(self, attrs: dict) -> str:
         """dtype of the outputs: "act" (the model's activation dtype) unless the op says otherwise."""
         return "act"

@@ -34,12 +34,22 @@ class MoE(OpKind):
         Attr("score_function", "str", default="softmax", choices=("softmax", "sigmoid"),
              doc="router scores (--moe-router-score-function)"),
         Attr("topk_renorm", "bool", default=False, doc="rescale the top-k weights to sum to 1 (Mixtral: true)"),
+        Attr("topk_scaling_factor", "float", default=1.0, minimum=0.0,
+             doc="multiplies the top-k weights, after renormalizing (--moe-router-topk-scaling-factor; "
+                 "DeepSeek-V3's routed_scaling_factor)"),
+        Attr("num_groups", "int", default=1, minimum=1,
+             doc="group-limited routing: experts in this many groups (--moe-router-num-groups; HF n_group)"),
+        Attr("group_topk", "int", default=1, minimum=1,
+             doc="groups each token may route to, those whose topk / group_topk best scores sum highest "
+                 "(--moe-router-group-topk; HF topk_group)"),
         Attr("load_balancing_type", "str", default="aux_loss", choices=("aux_loss", "none"),
              doc="--moe-router-load-balancing-type"),
         Attr("aux_loss_coeff", "float", default=0.0, minimum=0.0, doc="load-balancing loss weight (--moe-aux-loss-coeff)"),
         Attr("z_loss_coeff", "float", default=0.0, minimum=0.0, doc="router z-loss weight (--moe-z-loss-coeff)"),
         Attr("expert_bias", "bool", default=False,
-             doc="DeepSeek-V3 balancing without an auxiliary loss (--moe-router-enable-expert-bias)"),
+             doc="DeepSeek-V3 balancing without an auxiliary loss (--moe-router-enable-expert-bias): a per-expert "
+                 "bias added to the scores for the choice only, moved after each step, saved and imported "
+                 "(HF e_score_correction_bias)"),
         Attr("expert_bias_update_rate", "float", default=1e-3, minimum=0.0, doc="--moe-router-bias-update-rate"),
         Attr("capacity_factor", "float", default=0.0, minimum=0.0,
              doc="0: dropless (default); else drop tokens past capacity (--moe-expert-capacity-factor)"),
@@ -58,6 +68,13 @@ class MoE(OpKind):
             raise SpecError(locs.get("num_experts"), f"num_experts={attrs['num_experts']} is not divisible by "
                             f"expert-model-parallel size {ep}", f"choose a multiple of {ep} or a smaller "
                             "--expert-model-parallel-size")
+        e, g, gk, k = attrs["num_experts"], attrs["num_groups"], attrs["group_topk"], attrs["topk"]
+        if g > 1:
+            if e % g:
+                raise SpecError(locs.get("num_groups"), f"num_experts={e} is not divisible by num_groups={g}")
+            if gk > g or k % gk or k // gk > e // g:
+                raise SpecError(locs.get("group_topk"), f"group_topk={gk} must be at most num_groups={g} and divide "
+                                f"topk={k} into at most {e // g} experts per group")
         need_divisible(attrs["ffn_hidden_size"], ctx.tp, "ffn_hidden_size", locs.get("ffn_hidden_size"))
         need_divisible(attrs["shared_expert_size"], ctx.tp, "shared_expert_size", locs.get("shared_expert_size"))
         if attrs["shared_expert_gate"] and not attrs["shared_expert_size"]:
@@ -73,10 +90,12 @@ class MoE(OpKind):
     def weights(self, attrs):
         e, h, f = attrs["num_experts"], attrs["hidden_size"], attrs["ffn_hidden_size"]
         gated = attrs["activation"] == "swiglu"
-        out = [Weight("router.weight", (e, h), "normal"),
-               Weight("experts.linear_fc1.weight", (e, 2 * f if gated else f, h), "normal", 1,
-                      (f, f) if gated else (), expert_dim=0),
-               Weight("experts.linear_fc2.weight", (e, h, f), "normal", 2, expert_dim=0)]
+        out = [Weight("router.weight", (e, h), "normal")]
+        if attrs["expert_bias"]:  # no gradient: moved by the token counts after each step
+            out.append(Weight("router.expert_bias", (e,), "zeros"))
+        out += [Weight("experts.linear_fc1.weight", (e, 2 * f if gated else f, h), "normal", 1,
+                       (f, f) if gated else (), expert_dim=0),
+                Weight("experts.linear_fc2.weight", (e, h, f), "normal", 2, expert_dim=0)]
         s = attrs["shared_expert_size"]
         if s:
             out += [Weight("shared_experts.linear_fc1.weight", (2 * s if gated else s, h), "normal", 0,
@@ -86,12 +105,22 @@ class MoE(OpKind):
                 out.append(Weight("shared_experts.gate_weight", (1, h), "normal"))
         return out
 
+    def active_parameters(self, attrs):
+        # a token passes its top-k routed experts (and every shared one)
+        e, k = attrs["num_experts"], attrs["topk"]
+        return sum(numel(w.shape) if w.expert_dim is None else numel(w.shape) // e * k for w in self.weights(attrs))
+
+    def partial_grad_weights(self, node, axis, placement):
+        # the expert bias has no gradient to sum
+        return [n for n in super().partial_grad_weights(node, axis, placement) if n != "router.expert_bias"]
+
     def hf_knobs(self):
         """The routing a Hugging Face MoE config asks for (Mixtral, Qwen-MoE, OLMoE, DeepSeek):
         a checkpoint whose router does something else is refused on import, not run with another
         routing (a norm_topk_prob: false checkpoint in a spec that renormalizes was off by 0.72).
-        What the op does not model (DeepSeek-V3's routed scaling and group-limited top-k) must be
-        absent or neutral."""
+        DeepSeek-V3's group-limited top-k scores each group by the sum of its best two experts
+        (transformers' DeepseekV3TopkRouter), the op by its best topk / group_topk (Megatron): the
+        two agree when topk / topk_group is 2, and a config where they do not is refused."""
         def first(*keys):
             def requested(config, n):
                 for key in keys:
@@ -106,9 +135,13 @@ class MoE(OpKind):
                    first("num_local_experts", "num_experts", "n_routed_experts"), lambda a: a["num_experts"]),
             HFKnob("norm_topk_prob", first("norm_topk_prob"), lambda a: a["topk_renorm"]),
             HFKnob("scoring_func", first("scoring_func"), lambda a: a["score_function"]),
-            HFKnob("routed_scaling_factor", first("routed_scaling_factor"), lambda a: 1.0),
-            HFKnob("n_group", first("n_group"), lambda a: 1),
-            HFKnob("topk_group", first("topk_group"), lambda a: 1),
+            HFKnob("routed_scaling_factor", first("routed_scaling_factor"), lambda a: a["topk_scaling_factor"]),
+            HFKnob("n_group", first("n_group"), lambda a: a["num_groups"]),
+            HFKnob("topk_group", first("topk_group"), lambda a: a["group_topk"]),
+            HFKnob("n_group > 1: each group scored by its best 2 experts (num_experts_per_tok / topk_group)",
+                   lambda config, n: [2] * n if isinstance(config.get("n_group"), int) and config["n_group"] > 1
+                   else None,
+                   lambda a: a["topk"] // a["group_topk"] if a["num_groups"] > 1 else None),
         )
 
     def rule_tp(self, attrs, ctx):
@@ -198,7 +231,7 @@ class MoE(OpKind):
         defaults = {attr.name: attr.default for attr in self.attrs}
         for name in ("activation", "score_function", "topk_renorm", "load_balancing_type", "aux_loss_coeff",
                      "z_loss_coeff", "expert_bias", "expert_bias_update_rate", "shared_expert_size",
-                     "shared_expert_gate", "init_std"):
+                     "shared_expert_gate", "init_std", "num_groups", "group_topk", "topk_scaling_factor"):
             if a[name] != defaults[name] or name == "init_std":
                 kw.append(f"{name}={a[name]!r}")
         if a["capacity_factor"]:

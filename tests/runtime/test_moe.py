@@ -133,9 +133,11 @@ def test_expert_bias_moves_toward_balance_and_steers_selection():
     x = tokens(s=8)
     m(x)
     counts = m.router.tokens_per_expert.clone()
+    before = m.router.expert_bias.detach().clone()  # randomized: a parameter (saved, imported), no gradient
     update_expert_biases(m, Group.single("dp"))
     bias = m.router.expert_bias
-    assert torch.equal(bias, 0.1 * torch.sign(counts.mean() - counts))
+    assert not bias.requires_grad
+    assert torch.equal(bias, before + 0.1 * torch.sign(counts.mean() - counts))
     assert m.router.tokens_per_expert.sum().item() == 0
     # the bias changes which experts are chosen, not the weights they get (scores without bias)
     m.router.expert_bias.fill_(0.0)
