@@ -66,9 +66,34 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def split(x: torch.Tensor, sections) -> tuple[torch.Tensor, ...]:
-    """Split the last dim into the given local sizes (e.g. a fused QKV output)."""
+def split(x: torch.Tensor, sections, heads: int = 0) -> tuple[torch.Tensor, ...]:
+    """Split the last dim into the given local sizes (e.g. a fused QKV output); with `heads` (the
+    local head count), each of the heads is split into the sections (MLA's per-head [nope | rope])
+    and output i holds every head's section i."""
     sections = [int(s) for s in sections]
-    if sum(sections) != x.shape[-1]:
-        raise ValueError(f"split sections {sections} sum to {sum(sections)}, but the last dim is {x.shape[-1]}")
-    return tuple(torch.split(x, sections, dim=-1))
+    if not heads:
+        if sum(sections) != x.shape[-1]:
+            raise ValueError(f"split sections {sections} sum to {sum(sections)}, but the last dim is {x.shape[-1]}")
+        return tuple(torch.split(x, sections, dim=-1))
+    if heads * sum(sections) != x.shape[-1]:
+        raise ValueError(f"split: {heads} heads of sections {sections} need a last dim of "
+                         f"{heads * sum(sections)}, got {x.shape[-1]}")
+    pieces = torch.split(x.unflatten(-1, (heads, sum(sections))), sections, dim=-1)
+    return tuple(p.flatten(-2) for p in pieces)
+
+
+def concat(*xs: torch.Tensor, heads: int = 0) -> torch.Tensor:
+    """Join along the last dim; with `heads` (the local head count), head by head: head h of the
+    output is [head h of xs[0] | head h of xs[1] | ...] (MLA's per-head [nope | rope])."""
+    if not heads:
+        return torch.cat(xs, dim=-1)
+    for x in xs:
+        if x.shape[-1] % heads:
+            raise ValueError(f"concat: a last dim of {x.shape[-1]} is not {heads} whole heads")
+    return torch.cat([x.unflatten(-1, (heads, x.shape[-1] // heads)) for x in xs], dim=-1).flatten(-2)
+
+
+def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """One head [..., d] repeated as `heads` heads [..., heads * d] (MLA's shared rope key, k_pe,
+    given to every query head); backward sums the heads' gradients."""
+    return x.unsqueeze(-2).expand(*x.shape[:-1], heads, x.shape[-1]).flatten(-2)

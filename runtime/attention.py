@@ -50,6 +50,7 @@ class CoreAttention(nn.Module):
         softcap: float | None = None,
         chunk: int | None = None,
         alibi_max_bias: float | None = None,
+        v_head_dim: int | None = None,
     ):
         super().__init__()
         self.tp = tp or Group.single("tp")  # only the TP-invariant dropout mode needs it
@@ -78,6 +79,10 @@ class CoreAttention(nn.Module):
             slopes = alibi_slopes(num_heads * self.tp.size, alibi_max_bias)
             slopes = slopes[self.tp.rank * num_heads:(self.tp.rank + 1) * num_heads]
         self.register_buffer("alibi", slopes, persistent=False)
+        self.v_head_dim = v_head_dim or head_dim  # MLA: values narrower than the q/k heads
+        if self.v_head_dim != head_dim and (backend in ("flash", "te") or self.cp.size > 1):
+            raise ValueError(f"v_head_dim={self.v_head_dim} apart from head_dim={head_dim} needs the sdpa or unfused "
+                             f"backend without context parallelism")
         self.window, self.softcap = window, softcap
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -98,7 +103,7 @@ class CoreAttention(nn.Module):
                              f"also under context parallelism), got {tuple(document_ids.shape)}")
         q4 = _heads(q, self.num_heads, self.head_dim, "q")
         k4 = _heads(k, self.num_kv_heads, self.head_dim, "k")
-        v4 = _heads(v, self.num_kv_heads, self.head_dim, "v")
+        v4 = _heads(v, self.num_kv_heads, self.v_head_dim, "v")
         p = self.dropout if self.training else 0.0
         fork = self.rng_tracker.fork("tensor-parallel") if p > 0 and self.rng_tracker else contextlib.nullcontext()
         with fork:
@@ -115,7 +120,7 @@ class CoreAttention(nn.Module):
                                             dropout_p=p, causal=self.causal)
                 return out.transpose(0, 1).reshape(s, b, self.num_heads * self.head_dim)
             out = self._torch_attention(q4, k4, v4, p, document_ids)  # [b, nh, s, d]
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.v_head_dim)
 
     def _allowed(self, sq: int, sk: int, document_ids, device) -> torch.Tensor | None:
         """Which keys each query may see ([b or 1, 1, sq, sk], True: attend), or None for all of
@@ -205,6 +210,7 @@ class CoreAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"causal={self.causal}, dropout={self.dropout}, backend={self.backend}"
+                + (f", v_head_dim={self.v_head_dim}" if self.v_head_dim != self.head_dim else "")
                 + (f", window={self.window}" if self.window is not None else "")
                 + (f", scale={self.scale}" if self.scale != 1.0 / math.sqrt(self.head_dim) else "")
                 + (f", softcap={self.softcap}" if self.softcap is not None else "")

@@ -20,6 +20,7 @@ from .elementwise import (
         Swiglu,
 )
 from .embedding import Embedding, PositionEmbedding
+from .heads import Concat, ExpandHeads
 from .linear import BiasAdd, Linear
 from .loss import CrossEntropy
 from .moe import MoE
@@ -28,7 +29,7 @@ from .rotary import Rotary
 
 _ALL = (Linear(), BiasAdd(), Embedding(), PositionEmbedding(), LayerNorm(), RMSNorm(), Gelu(), Silu(), Swiglu(),
         Dropout(), Split(), Add(), Mul(), Rotary(), CoreAttention(), CrossEntropy(), BoundaryOp(),
-        MoE(),
+        MoE(), Concat(), ExpandHeads(),
         Relu(), SquaredRelu(), Glu(), Geglu(), Reglu(), Scale(), Softcap())
 OPS = {op.name: op for op in _ALL}
 # what a spec may name with `op:` (builtins come from `+` and `*`; bias_add is made by the compiler)

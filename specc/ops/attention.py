@@ -3,6 +3,8 @@ parallelism: S(h) on q, k, v means each rank holds whole heads."""
 
 from __future__ import annotations
 
+import math
+
 from ..errors import SpecError
 from ..layouts import DTYPE_BYTES
 from .base import Attr, HFKnob, LayoutRule, OpKind, need_divisible, numel
@@ -12,6 +14,25 @@ from .rotary import _rope  # noqa: F401 (the rope settings, for attention's own 
 def _each(key: str):
     """requested(): config.json's `key` for every op, when it has the key."""
     return lambda config, n: [config[key]] * n if key in config else None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _mscale_squared(config, n):
+    """requested(): DeepSeek's softmax scale is 1/sqrt(head_dim) times mscale^2 when its rope is
+    scaled with mscale_all_dim (transformers' yarn_apply_mscale: 0.1 * mscale_all_dim * ln(factor)
+    + 1 for a factor above 1). None without it (a family's own scale, Gemma's
+    query_pre_attn_scalar, is another knob)."""
+    rope = _rope(config)
+    mscale_all_dim, factor = rope.get("mscale_all_dim"), rope.get("factor")
+    if rope.get("rope_type", "default") == "default" or not mscale_all_dim:
+        return None
+    if not isinstance(factor, (int, float)) or not isinstance(mscale_all_dim, (int, float)):
+        return [f"rope factor {factor!r} with mscale_all_dim {mscale_all_dim!r}"] * n  # no op models it
+    mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    return [mscale * mscale] * n
 
 
 def _attn_config(key: str):
@@ -60,7 +81,9 @@ class CoreAttention(OpKind):
     attrs = (
         Attr("num_heads", "int", required=True, minimum=1),
         Attr("num_kv_heads", "int", minimum=1, doc="defaults to num_heads"),
-        Attr("head_dim", "int", required=True, minimum=1),
+        Attr("head_dim", "int", required=True, minimum=1, doc="of q and k"),
+        Attr("v_head_dim", "int", minimum=1, doc="of v and the output, when apart from head_dim (multi-latent "
+             "attention: q/k heads of nope + rope features, narrower values); sdpa and unfused only, no CP"),
         Attr("causal", "bool", default=True),
         Attr("dropout", "float", default=0.0, minimum=0.0),
         Attr("window", "int", minimum=1, doc="sliding window: each query sees the `window` latest keys, itself included; "
@@ -88,6 +111,9 @@ class CoreAttention(OpKind):
     def kv_heads(self, attrs) -> int:
         return attrs.get("num_kv_heads") or attrs["num_heads"]
 
+    def v_dim(self, attrs) -> int:
+        return attrs.get("v_head_dim") or attrs["head_dim"]
+
     def local_kv_heads(self, attrs, t: int) -> int:
         """K/V heads on one of t ranks: a share of them, or one replicated head when there are
         fewer than t (each serves the rank's query heads: q heads r*nh/t.. read KV head r//(t/n))."""
@@ -104,6 +130,10 @@ class CoreAttention(OpKind):
             raise SpecError(locs.get("window_pattern"), "give window or window_pattern, not both")
         if attrs.get("chunk") and attrs.get("chunk_pattern"):
             raise SpecError(locs.get("chunk_pattern"), "give chunk or chunk_pattern, not both")
+        if ctx.cp > 1 and self.v_dim(attrs) != attrs["head_dim"]:
+            raise SpecError(locs.get("v_head_dim"), f"v_head_dim={attrs['v_head_dim']} apart from head_dim="
+                            f"{attrs['head_dim']} is not wired for context parallelism (the ring and all-gather "
+                            "paths take one head dim)", "run without --context-parallel-size")
 
     def hf_knobs(self):
         def bidirectional(config, n):
@@ -121,13 +151,24 @@ class CoreAttention(OpKind):
             HFKnob("alibi", _attn_config("alibi"), lambda a: a["alibi"]),
             HFKnob("alibi_bias_max", _attn_config("alibi_bias_max"), lambda a: a["alibi_max_bias"] if a["alibi"] else None),
             HFKnob("attention_chunk_size", _chunks, lambda a: a.get("chunk")),
+            # multi-latent attention (DeepSeek): q/k heads of nope + rope features, values apart
+            HFKnob("qk_nope_head_dim + qk_rope_head_dim",
+                   lambda config, n: [config["qk_nope_head_dim"] + config["qk_rope_head_dim"]] * n
+                   if _is_int(config.get("qk_nope_head_dim")) and _is_int(config.get("qk_rope_head_dim")) else None,
+                   lambda a: a["head_dim"]),
+            HFKnob("v_head_dim", lambda config, n: [config["v_head_dim"]] * n if _is_int(config.get("v_head_dim"))
+                   else None, self.v_dim),
+            HFKnob("the score scale over 1/sqrt(head_dim) (rope mscale_all_dim)", _mscale_squared,
+                   lambda a: (a.get("scale") or a["head_dim"] ** -0.5) * a["head_dim"] ** 0.5),
         )
 
     def impl_unsupported(self, attrs, impl):
         # runtime.CoreAttention wires flash-attn's and TransformerEngine's kernels for the plain
-        # causal or bidirectional softmax only
+        # causal or bidirectional softmax over one head dim only
         asked = [k for k in ("window", "window_pattern", "scale", "softcap", "chunk", "chunk_pattern", "alibi")
                  if attrs.get(k)]
+        if self.v_dim(attrs) != attrs["head_dim"]:
+            asked.append("v_head_dim apart from head_dim")
         if impl in ("flash", "te") and asked:
             return f"is not wired for {', '.join(asked)} (the native path computes them)"
         return ""
@@ -153,18 +194,18 @@ class CoreAttention(OpKind):
         return None
 
     def out_shapes(self, attrs, shapes, fail):
-        nh, ng, d = attrs["num_heads"], self.kv_heads(attrs), attrs["head_dim"]
+        nh, ng, d, dv = attrs["num_heads"], self.kv_heads(attrs), attrs["head_dim"], self.v_dim(attrs)
         if nh % ng:
             fail(f"num_heads={nh} is not a multiple of num_kv_heads={ng}")
-        want = [nh * d, ng * d, ng * d]
+        want = [nh * d, ng * d, ng * dv]
         for name, shape, n in zip("qkv", shapes, want):
             if shape[-1] != n:
-                fail(f"{name} has last dim {shape[-1]}, expected {n} heads*head_dim")
+                fail(f"{name} has last dim {shape[-1]}, expected {n} heads*{'v_head_dim' if name == 'v' else 'head_dim'}")
         if shapes[1][:-1] != shapes[0][:-1] or shapes[2][:-1] != shapes[0][:-1]:
             fail("q, k and v must share their [sequence, batch] dims")
         if len(shapes) == 4 and tuple(shapes[3]) != (shapes[0][1], shapes[0][0]):
             fail(f"document ids must be [batch, sequence] = {[shapes[0][1], shapes[0][0]]}, got {list(shapes[3])}")
-        return [shapes[0]]
+        return [tuple(shapes[0][:-1]) + (nh * dv,)]
 
     def rule_tp(self, attrs, ctx):
         # document ids (a 4th input) are read whole on every rank
@@ -266,7 +307,7 @@ class CoreAttention(OpKind):
         return 4 * elt * scores + drop + capped, 6 * elt * scores + drop + capped
 
     def flops(self, node, local_in, local_out, mesh):
-        """Q K^T and the probabilities times V: 2 * 2 * b * pairs * heads * head_dim forward, over
+        """Q K^T and the probabilities times V: 2 * b * pairs * heads * (head_dim + v_head_dim) forward, over
         the (query, key) pairs the implementation computes; backward 2x (dQ, dK from the scores'
         gradient; dV, dP from the output's). Which pairs:
 
@@ -290,7 +331,7 @@ class CoreAttention(OpKind):
             explicit = (node.impl == "unfused" or a.get("softcap") or a.get("window") or a.get("chunk")
                         or a["alibi"] or len(local_in) == 4)
             pairs = s_q * s_q // (2 if a["causal"] and not explicit else 1)
-        forward = 2 * 2 * b * pairs * heads * node.attrs["head_dim"]
+        forward = 2 * b * pairs * heads * (node.attrs["head_dim"] + self.v_dim(node.attrs))  # QK^T, then PV
         return forward, 2 * forward
 
     def saved_bytes(self, node, local_in, local_out, elt):
@@ -357,8 +398,8 @@ class CoreAttention(OpKind):
         extra = ", tp=self.tp" if a["dropout"] > 0 and t > 1 else ""
         if node.in_layouts[0]["cp"] == "S(s)":
             extra += f', cp=self.cp, cp_comm_type="{a.get("cp_comm_type_resolved", "p2p")}"'
-        for key in ("window", "scale", "softcap"):
-            if a.get(key):
+        for key in ("window", "scale", "softcap", "v_head_dim"):
+            if a.get(key) and (key != "v_head_dim" or a[key] != a["head_dim"]):
                 extra += f", {key}={a[key]!r}"
         if a.get("chunk"):
             extra += f", chunk={a['chunk']}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import SpecError
 from ..layouts import sh_local_size
-from .base import Attr, HFKnob, LayoutRule, OpKind, numel
+from .base import Attr, HFKnob, LayoutRule, OpKind, need_divisible, numel
 
 _NOT_P = ("I", "R", "S(s)", "S(h)")
 
@@ -261,27 +261,41 @@ class Dropout(OpKind):
 
 class Split(OpKind):
     name = "split"
-    doc = "Split the last dim into sections (e.g. a fused QKV output into q, k, v)."
-    attrs = (Attr("sections", "int_list", required=True),)
+    doc = ("Split the last dim into sections (e.g. a fused QKV output into q, k, v); with heads: N, each of N "
+           "heads into the sections (MLA's per-head [nope | rope]), output i holding every head's section i.")
+    attrs = (Attr("sections", "int_list", required=True),
+             Attr("heads", "int", minimum=1, doc="split head by head: the input is this many heads of sum(sections)"))
     nonlinear = True  # keeps reductions out of the middle of attention
     any_cut = True  # with one section it is the identity; with more it declares its cut
 
     def out_count(self, attrs):
         return len(attrs["sections"])
 
+    def check(self, attrs, locs, ctx):
+        if attrs.get("heads"):
+            need_divisible(attrs["heads"], ctx.tp, "heads", locs.get("heads"))
+
     def memory_traffic(self, node, local_in, local_out, elt):
+        if node.attrs.get("heads"):  # strided pieces of each head: copied out
+            return 2 * numel(local_in[0]) * elt, 2 * numel(local_in[0]) * elt
         return 0, 0  # views of its input
 
     def out_shapes(self, attrs, shapes, fail):
-        x = shapes[0]
-        if sum(attrs["sections"]) != x[-1]:
-            fail(f"sections {list(attrs['sections'])} sum to {sum(attrs['sections'])}, but the input's last dim is {x[-1]}")
-        return [tuple(x[:-1]) + (n,) for n in attrs["sections"]]
+        x, n = shapes[0], attrs.get("heads") or 1
+        if n * sum(attrs["sections"]) != x[-1]:
+            per = f"{n} heads of " if n > 1 else ""
+            fail(f"{per}sections {list(attrs['sections'])} sum to {n * sum(attrs['sections'])}, but the input's "
+                 f"last dim is {x[-1]}")
+        return [tuple(x[:-1]) + (n * s,) for s in attrs["sections"]]
 
     def input_segments(self, attrs, shapes):
+        if attrs.get("heads"):
+            return ()  # whole heads on each rank: one slab
         return tuple(attrs["sections"]) if len(attrs["sections"]) > 1 else ()
 
     def out_units(self, attrs, in_units, in_segments):
+        if attrs.get("heads"):
+            return [(attrs["heads"],)] * len(attrs["sections"])
         # each section is one of the input's segments, with its heads
         sections, units = tuple(attrs["sections"]), tuple(in_units[0]) if in_units else ()
         if len(units) == len(sections) and (tuple(in_segments[0]) == sections or len(sections) == 1):
@@ -290,6 +304,9 @@ class Split(OpKind):
 
     def call(self, node, args, ctx):
         sections = node.attrs["sections"]
+        if node.attrs.get("heads"):
+            heads = node.attrs["heads"] // (ctx.tp if node.in_layouts[0]["tp"] == "S(h)" else 1)
+            return f"runtime.split({args[0]}, {list(sections)}, heads={heads})"
         if node.in_layouts[0]["tp"] != "S(h)" or ctx.tp == 1:
             return f"runtime.split({args[0]}, {list(sections)})"
         units = ctx.in_units[0] if ctx.in_units else ()
