@@ -8,6 +8,8 @@
         --normalization: RMSNorm # a flag with the value that selects this spec's structure
       no_effect:                 # a flag that changes nothing in this spec's model, and why
         --max-position-embeddings: rotary positions are computed for any length
+      checkpoint:                # Megatron Core checkpoint names (specc_torch/megatron_ckpt, docs/checkpoints.md)
+        params: [{specc: embedding.weight, megatron: embedding.word_embeddings.weight}, ...]
 
 The command line (specc/args.py) applies `flags` as config overrides, accepts a structural flag
 the spec declares (it selects what the spec already is), accepts a `no_effect` flag with a note
@@ -28,9 +30,12 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import Loc, SpecError, did_you_mean
-from .yamlload import LDict, load_yaml, read_text
+from .yamlload import LDict, LList, load_yaml, read_text
 
-MEGATRON_KEYS = ("flags", "structure", "no_effect")
+MEGATRON_KEYS = ("flags", "structure", "no_effect", "checkpoint")
+FLAG_SECTIONS = ("flags", "structure", "no_effect")
+CHECKPOINT_KEYS = ("params", "ignore", "extra_state")
+CHECKPOINT_PARAM_KEYS = ("specc", "megatron", "permute")
 FLAG = re.compile(r"^--[a-z0-9][a-z0-9-]*$")
 SHIPPED_SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "specs")
 
@@ -81,7 +86,9 @@ def check_megatron(raw, loc: Loc, config: LDict) -> MegatronFlags:
         if key not in MEGATRON_KEYS:
             raise SpecError(raw.key_loc(key), f"unknown key '{key}' in 'megatron'", did_you_mean(key, MEGATRON_KEYS))
     out = MegatronFlags()
-    for section in MEGATRON_KEYS:
+    if "checkpoint" in raw:
+        _check_checkpoint(raw["checkpoint"], raw.value_loc("checkpoint"))
+    for section in FLAG_SECTIONS:
         if section not in raw:
             continue
         entries = raw[section]
@@ -147,3 +154,43 @@ def shipped() -> list:
         flags.extends = f"specs/{os.path.normpath(parent)}" if isinstance(parent, str) else None
         out.append((f"specs/{name}", flags))
     return out
+
+
+def _check_checkpoint(raw, loc: Loc) -> None:
+    """megatron.checkpoint's form: params (each {specc, megatron, permute?}), ignore and
+    extra_state (lists of Megatron names). Which parameters it names is checked against the
+    compiled model where it is used (specc_torch/megatron_ckpt), ${...} there too."""
+    if not isinstance(raw, LDict):
+        raise SpecError(loc, "'megatron.checkpoint' must be a mapping", "e.g. checkpoint: {params: [...]}")
+    for key in raw:
+        if key not in CHECKPOINT_KEYS:
+            raise SpecError(raw.key_loc(key), f"unknown key '{key}' in 'megatron.checkpoint'",
+                            did_you_mean(key, CHECKPOINT_KEYS))
+    params = raw.get("params")
+    if not isinstance(params, LList) or not params:
+        raise SpecError(raw.value_loc("params") if "params" in raw else raw.loc,
+                        "'megatron.checkpoint.params' must be a non-empty list",
+                        "e.g. - {specc: embedding.weight, megatron: embedding.word_embeddings.weight}")
+    for i, entry in enumerate(params):
+        at = params.item_loc(i)
+        if not isinstance(entry, LDict):
+            raise SpecError(at, "each megatron.checkpoint.params entry must be a mapping",
+                            "e.g. {specc: embedding.weight, megatron: embedding.word_embeddings.weight}")
+        for key in entry:
+            if key not in CHECKPOINT_PARAM_KEYS:
+                raise SpecError(entry.key_loc(key), f"unknown key '{key}' in a megatron.checkpoint.params entry",
+                                did_you_mean(key, CHECKPOINT_PARAM_KEYS))
+        for key in ("specc", "megatron"):
+            if not isinstance(entry.get(key), str) or not entry[key]:
+                raise SpecError(entry.value_loc(key) if key in entry else entry.loc,
+                                f"'{key}' must be a parameter name", "{i} stands for a layer index")
+        permute = entry.get("permute")
+        if permute is not None and not (isinstance(permute, LDict) and set(permute) == {"groups", "sections"}
+                                        and isinstance(permute["sections"], LList)):
+            raise SpecError(entry.value_loc("permute"), "'permute' must be {groups: G, sections: [a, b, ...]}",
+                            "Megatron's rows are G groups of [a | b | ...]")
+    for key in ("ignore", "extra_state"):
+        if key in raw:
+            names = raw[key]
+            if not isinstance(names, LList) or not all(isinstance(n, str) and n for n in names):
+                raise SpecError(raw.value_loc(key), f"'megatron.checkpoint.{key}' must be a list of Megatron names")

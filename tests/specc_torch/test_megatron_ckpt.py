@@ -1,0 +1,152 @@
+"""Megatron Core checkpoints in and out (specc_torch/megatron_ckpt), against checkpoints real
+Megatron Core 0.19.2 wrote at TP=2 and the logits it computed from them
+(tests/fixtures/megatron/make_fixture.py; Megatron is not needed here):
+
+- the torch_dist and the legacy checkpoint load into llama.yaml (GQA: 4 heads in 2 query groups,
+  SwiGLU, a vocabulary Megatron padded from 100 to 128) and give Megatron's logits at TP=1, and
+  at TP=2 with SP through a converted specc checkpoint;
+- export then import gives back Megatron's own tensors bit for bit, with its layer stacking;
+- a spec that does not fit the checkpoint is one line naming the tensor (and the padded vocabulary);
+- the legacy loader runs nothing that a pickle names outside its allow-list.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import runtime
+import specc_torch
+from runtime.checkpoint import load_checkpoint
+from specc_torch.megatron_ckpt import MegatronError, export_megatron, import_megatron, read_weights
+from specc_torch.megatron_ckpt.files import dist_tensors, read_dist, read_legacy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "megatron", "llama")
+SPEC = os.path.join(ROOT, "specs", "llama-tiny.yaml")
+# make_fixture.MODEL as the spec's config; vocab_size is Megatron's padded 128
+SIZES = {"hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 48,
+         "vocab_size": 128, "seq_length": 8}
+# fp32 logits of size ~5 through 2 layers of 32-48-term dot products: rounding differences of
+# a few ulps per op (Megatron's and specc's op orders differ) stay far below 1e-4
+TOL = 1e-4
+
+
+def _expected():
+    return torch.load(os.path.join(FIXTURE, "logits.pt"))
+
+
+def _logits(model, pg, tokens) -> torch.Tensor:
+    """[b, s, vocab]: the output layer's vocab shards, captured and gathered over TP."""
+    captured = []
+    handle = model.output_layer.register_forward_hook(lambda m, i, out: captured.append(out.detach()))
+    model.eval()
+    with torch.no_grad():
+        model(tokens, tokens)
+    handle.remove()
+    local = captured[0].float().contiguous()
+    if pg.tp.size > 1:
+        pieces = [torch.empty_like(local) for _ in range(pg.tp.size)]
+        dist.all_gather(pieces, local, group=pg.tp.group)
+        local = torch.cat(pieces, dim=-1)
+    return local.transpose(0, 1)
+
+
+def _load_and_run(rank, world, ckpt, tokens):
+    pg = runtime.ProcessGroups.initialize(tp=world)
+    try:
+        model = specc_torch.build_model(SPEC, pg, seed=3, sp=True, overrides=SIZES, micro_batch_size=1)
+        load_checkpoint(ckpt, model, pg)
+        return _logits(model, pg, tokens)
+    finally:
+        pg.destroy()
+
+
+def test_megatron_checkpoints_give_megatrons_logits(gloo, tmp_path):
+    expected = _expected()
+    pg = runtime.ProcessGroups.single()
+    model = specc_torch.build_model(SPEC, pg, seed=3, overrides=SIZES, micro_batch_size=1)
+    for fmt in ("torch_dist", "torch"):
+        read = read_weights(os.path.join(FIXTURE, fmt), SPEC, SIZES)
+        assert (read["format"], read["iteration"], read["optimizer"]) == (fmt, 7, False)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(read["tensors"][name])
+        assert (_logits(model, pg, expected["tokens"]) - expected["logits"]).abs().max().item() < TOL, fmt
+    # the legacy TP shards, joined, are the global tensors torch_dist holds
+    legacy = read_weights(os.path.join(FIXTURE, "torch"), SPEC, SIZES)["tensors"]
+    assert all(torch.equal(t, read_weights(os.path.join(FIXTURE, "torch_dist"), SPEC, SIZES)["tensors"][n])
+               for n, t in legacy.items())
+    # converted to a specc checkpoint, it loads at TP=2 with SP and gives the same logits
+    done = import_megatron(os.path.join(FIXTURE, "torch_dist"), SPEC, str(tmp_path / "ckpt"), SIZES)
+    assert done["step"] == 7
+    for logits in gloo.run(2, _load_and_run, str(tmp_path / "ckpt"), expected["tokens"]):
+        assert (logits - expected["logits"]).abs().max().item() < TOL
+
+
+def test_export_then_import_is_bit_exact(tmp_path):
+    import_megatron(os.path.join(FIXTURE, "torch_dist"), SPEC, str(tmp_path / "ckpt"), SIZES)
+    done = export_megatron(str(tmp_path / "ckpt"), SPEC, str(tmp_path / "megatron"), SIZES)
+    assert done["path"] == str(tmp_path / "megatron" / "iter_0000007")
+    with open(tmp_path / "megatron" / "latest_checkpointed_iteration.txt") as f:
+        assert f.read() == "7"
+    theirs = dist_tensors(os.path.join(FIXTURE, "torch_dist", "iter_0000007"))
+    ours = dist_tensors(done["path"])
+    # the same stacked keys (decoder.layers.X: [layers, ...]) and objects Megatron's load asks for
+    assert set(theirs.pop(None)) == set(ours.pop(None))
+    assert {v[0] for v in theirs.values()} == {v[0] for v in ours.values()}
+    a, b = read_dist(os.path.join(FIXTURE, "torch_dist", "iter_0000007"), theirs), read_dist(done["path"], ours)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    again = read_weights(str(tmp_path / "megatron"), SPEC, SIZES)["tensors"]
+    first = read_weights(os.path.join(FIXTURE, "torch_dist"), SPEC, SIZES)["tensors"]
+    assert all(torch.equal(again[n], first[n]) for n in first)
+
+
+def _error(*args, **kwargs) -> str:
+    with pytest.raises(MegatronError) as e:
+        read_weights(*args, **kwargs)
+    line = str(e.value)
+    assert "\n" not in line
+    return line
+
+
+def test_a_spec_that_does_not_fit_is_one_line():
+    where = os.path.join(FIXTURE, "torch_dist", "iter_0000007")
+    # the tokenizer's unpadded vocabulary: the hint gives Megatron's padded size
+    assert _error(os.path.join(FIXTURE, "torch_dist"), SPEC, {**SIZES, "vocab_size": 100}) == (
+        f"{where}: embedding.word_embeddings.weight is [128, 32] in the checkpoint, but spec llama_tiny's "
+        "embedding.weight is [100, 32] (Megatron pads the vocabulary to a multiple of "
+        "--make-vocab-size-divisible-by x TP: --set vocab_size=128)")
+    # 4 query groups where Megatron saved 2: the fused QKV rows do not add up
+    assert _error(os.path.join(FIXTURE, "torch"), SPEC, {**SIZES, "num_query_groups": 4}) == (
+        f"{os.path.join(FIXTURE, 'torch', 'iter_0000007')}: decoder.layers.0.self_attention.linear_qkv.weight is "
+        "[64, 32] in the checkpoint, but spec llama_tiny's layers.0.self_attention.linear_qkv.weight is [96, 32] "
+        "(4 query groups of 24 rows)")
+    assert _error(where, SPEC, {**SIZES, "num_layers": 3}) == (
+        f"{where}: no tensor decoder.layers.2.self_attention.linear_qkv.layer_norm_weight (for llama_tiny's "
+        "layers.2.input_norm.weight)")
+    assert _error(os.path.dirname(FIXTURE), SPEC, SIZES) == (
+        f"{os.path.dirname(FIXTURE)}: not a Megatron checkpoint (no latest_checkpointed_iteration.txt, no iter_*/ "
+        "with its files)")
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch " + os.environ["SPECC_EXPLOIT_MARK"],))
+
+
+def test_the_legacy_loader_runs_nothing_outside_its_allow_list(tmp_path, monkeypatch):
+    mark = tmp_path / "ran"
+    monkeypatch.setenv("SPECC_EXPLOIT_MARK", str(mark))
+    rank = tmp_path / "iter_0000001" / "mp_rank_00"
+    rank.mkdir(parents=True)
+    weight = torch.arange(6.0).reshape(2, 3)
+    torch.save({"args": _Exploit(), "iteration": 1, "model": {"decoder.final_layernorm.weight": weight}},
+               rank / "model_optim_rng.pt", pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    shards, optimizer = read_legacy(str(tmp_path / "iter_0000001"))
+    assert not mark.exists() and not optimizer
+    assert torch.equal(shards[(0, 0)]["decoder.final_layernorm.weight"], weight)
