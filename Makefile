@@ -16,24 +16,24 @@ $(STAMP): pyproject.toml
 # Compile gpt-tiny at TP=2 with SP, prepare the embedded corpus (the standard library's own
 # sources, byte tokenizer), train it on 2 gloo ranks and plot the loss: a few minutes on 2 cores.
 demo: $(STAMP)
-	$(BIN)/python -m specc validate specs/*.yaml
-	$(BIN)/python -m specc compile specs/gpt-tiny.yaml --tp 2 --sp -o runs/demo
-	$(BIN)/python -m specc data prepare --stdlib --tokenizer byte --output-prefix runs/demo/data/stdlib_text_document
-	$(BIN)/python -m specc train specs/gpt-tiny.yaml --nproc-per-node 2 \
+	$(BIN)/python -m specc_cli validate specs/*.yaml
+	$(BIN)/python -m specc_cli compile specs/gpt-tiny.yaml --tp 2 --sp -o runs/demo
+	$(BIN)/python -m specc_cli data prepare --stdlib --tokenizer byte --output-prefix runs/demo/data/stdlib_text_document
+	$(BIN)/python -m specc_cli train specs/gpt-tiny.yaml --nproc-per-node 2 \
 		--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 16 --global-batch-size 32 \
 		--train-iters 300 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 20 --lr-decay-style cosine \
 		--eval-interval 100 --eval-iters 4 --log-interval 25 --data-path runs/demo/data/stdlib_text_document --run-dir runs/demo
-	$(BIN)/python -m specc plot runs/demo
+	$(BIN)/python -m specc_cli plot runs/demo
 
 # The linter and `specc check` first (fast; stale generated files fail), then the suite.
 test: lint check
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check specc runtime specc_torch tests bench compile.py
+	$(BIN)/ruff check specc runtime specc_torch specc_cli tests bench compile.py
 
 check: $(STAMP)
-	$(BIN)/python -m specc check generated
+	$(BIN)/python -m specc_cli check generated
 
 # The prepared GPU check (bench/gpu_check.py; results in docs/benchmarks.md, "GPU check"): the first
 # thing to run on a CUDA machine, under 10 minutes on one GPU. It uses .venv when there is one and

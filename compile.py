@@ -2,7 +2,7 @@
 
 import sys
 
-from specc.cli import main
+from specc_cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["compile", *sys.argv[1:]]))

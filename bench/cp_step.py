@@ -55,7 +55,7 @@ HEADING = "## Context parallelism: CP=2 vs CP=1"
 
 def plan_activation_bytes(cfg, cp: int) -> int:
     """The plan's activation memory per rank: `specc plan --cp N --json` at the bench's settings."""
-    cmd = [sys.executable, "-m", "specc", "plan", SPEC, "--json", "--dtype", "fp32", "--micro-batch-size",
+    cmd = [sys.executable, "-m", "specc_cli", "plan", SPEC, "--json", "--dtype", "fp32", "--micro-batch-size",
            str(cfg.batch), "--cp", str(cp)]
     for key, value in overrides(cfg).items():
         cmd += ["--set", f"{key}={value}"]

@@ -164,7 +164,7 @@ def check_backends(device: str, machine: Machine, seed: int = 1234) -> Result:
 
 def _train_losses(run_dir: str, device: str, nproc: int, extra: list, timeout_s: float) -> list:
     """Per-iteration training losses of a short `specc train` on mock data (metrics.jsonl)."""
-    cmd = [sys.executable, "-m", "specc", "train", os.path.join(ROOT, TINY_SPECS[0]), "--nproc-per-node", str(nproc),
+    cmd = [sys.executable, "-m", "specc_cli", "train", os.path.join(ROOT, TINY_SPECS[0]), "--nproc-per-node", str(nproc),
            "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",
            "--log-interval", "1", "--eval-iters", "0", "--device", device, "--run-dir", run_dir, *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)

@@ -57,7 +57,7 @@ def in_process(spec: str, layers: int) -> float:
 
 def end_to_end(spec: str, layers: int) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "specc", "plan", spec, "--tp", "2", "--sp", "--set", f"num_layers={layers}"],
+    subprocess.run([sys.executable, "-m", "specc_cli", "plan", spec, "--tp", "2", "--sp", "--set", f"num_layers={layers}"],
                    cwd=ROOT, check=True, capture_output=True)
     return time.perf_counter() - start
 

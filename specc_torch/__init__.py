@@ -3,7 +3,7 @@ needs both.
 
     specc_torch.api      compile_source, build_model: a model from a spec compiled in memory
     specc_torch.verify   `specc verify`: compiled models at TP/SP/CP settings against TP=1
-    specc_torch.train    `specc train`'s launcher and `torchrun -m specc_torch.train SPEC [flags]`
+    specc_torch.train    `specc train`'s launcher and `torchrun -m specc_cli.rank SPEC [flags]`
     specc_torch.hf       `specc hf import|export`, driven by the spec's `hf:` mapping
 
 tests/test_layering.py checks the layering: runtime imports nothing from specc or specc_torch,

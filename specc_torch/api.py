@@ -31,7 +31,7 @@ def compile_source(spec_path: str, tp: int, sp: bool = False, backend: str = "au
                    pp_layout: str | None = None, ep: int = 1,
                    recompute: dict | None = None):
     """(model.py source, spec, graph) for a spec at these settings, compiled in memory. `recompute`:
-    Settings' recompute fields (specc.args.recompute_from), e.g. {"recompute_granularity": "selective"}."""
+    Settings' recompute fields (specc_cli.args.recompute_from), e.g. {"recompute_granularity": "selective"}."""
     settings = Settings(tp=tp, sp=sp and tp > 1, backend=backend, micro_batch_size=micro_batch_size, dtype=dtype,
                         fuse=fuse, cp=cp, cp_comm_type=cp_comm_type if cp > 1 else "auto", pp=pp,
                         pp_virtual_stage_layers=pp_virtual_stage_layers, pp_first_stage_layers=pp_first_stage_layers,

@@ -1,8 +1,9 @@
 """Training a spec: `launch` (what `specc train` runs: check everything, then start the ranks
 through torchrun, or run in this process for one rank), `run` (one rank, under torchrun or
-alone) and `rank_main`, the entry of `torchrun --nproc-per-node N -m specc_torch.train SPEC
-[flags]`. Here the spec is compiled (compile_model) and handed to the loop (runtime.train), which
-knows nothing of the compiler."""
+alone) and `rank_main`, the entry of the ranks `launch` starts. Ranks launched by hand (`torchrun
+-m specc_cli.rank SPEC [flags]`) parse their flags in the command line's layer and call `run`.
+Here the spec is compiled (compile_model) and handed to the loop (runtime.train), which knows
+nothing of the compiler."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 from runtime.compile import repeated_layers
 from runtime.data import (
@@ -53,69 +55,6 @@ class ConfigError(Exception):
 
 # -- configuration from the command line -----------------------------------------------------------
 
-def config_from_args(args) -> TrainConfig:
-    from specc.args import MEGATRON_NOTES, overrides_from, recompute_from
-
-    overrides = {key: value for key, value, _ in overrides_from(args)}
-    return TrainConfig(
-        spec=args.spec,
-        overrides=overrides,
-        parallel=ParallelConfig(tp=args.tp, sp=args.sp, cp=args.cp, cp_comm_type=args.cp_comm_type, pp=args.pp,
-                                pp_virtual_stage_layers=args.pp_virtual_stage_layers,
-                                pp_first_stage_layers=args.pp_first_stage_layers,
-                                pp_last_stage_layers=args.pp_last_stage_layers, pp_layout=args.pp_layout,
-                                pp_schedule=args.pp_schedule, ep=args.ep, etp=args.etp,
-                                transport=args.transport),
-        optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                                  adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                                  clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
-                                  bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
-                                  optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
-                                  overlap_param_gather=args.overlap_param_gather),
-        schedule=ScheduleConfig(lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
-                                lr_decay_iters=args.lr_decay_iters, lr_warmup_fraction=args.lr_warmup_fraction,
-                                lr_wsd_decay_style=args.lr_wsd_decay_style, lr_wsd_decay_iters=args.lr_wsd_decay_iters,
-                                lr_warmup_samples=args.lr_warmup_samples, lr_decay_samples=args.lr_decay_samples,
-                                lr_wsd_decay_samples=args.lr_wsd_decay_samples),
-        data=data_config_from_args(args),
-        checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
-                                    keep_last=args.keep_last,
-                                    allow_spec_change=args.allow_spec_change, no_load_optim=args.no_load_optim,
-                                    finetune=args.finetune, no_load_rng=args.no_load_rng),
-        logging=LoggingConfig(run_dir=args.run_dir or os.path.join("runs", _spec_stem(args.spec)),
-                              log_interval=args.log_interval, progress=args.progress,
-                              log_throughput=args.log_throughput,
-                              tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project,
-                              wandb_exp_name=args.wandb_exp_name, peak_tflops=args.peak_tflops),
-        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-        train_iters=args.train_iters if args.train_iters is not None or args.train_samples is not None else 100,
-        train_samples=args.train_samples, exit_interval=args.exit_interval,
-        exit_duration_in_mins=args.exit_duration_in_mins,
-        fp16=args.fp16, loss_scale=LossScaleConfig(loss_scale=args.loss_scale,
-                                                   initial_loss_scale=args.initial_loss_scale,
-                                                   min_loss_scale=args.min_loss_scale,
-                                                   loss_scale_window=args.loss_scale_window,
-                                                   hysteresis=args.hysteresis),
-        eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-        bf16=args.bf16, seed=args.seed, device=args.device, host_memory=args.host_memory,
-        torch_compile=args.torch_compile_backend if args.torch_compile else None,
-        recompute=recompute_from(args),
-        notes=list(getattr(args, MEGATRON_NOTES, None) or []))  # Megatron's flags with no effect here
-
-
-def data_config_from_args(args) -> DataConfig:
-    def one(paths):  # a list of one prefix is that prefix
-        return paths[0] if paths and len(paths) == 1 else paths
-
-    return DataConfig(data_path=one(args.data_path), split=args.split, train_data_path=one(args.train_data_path),
-                      valid_data_path=one(args.valid_data_path), test_data_path=one(args.test_data_path),
-                      mock_data=args.mock_data, tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-                      merge_file=args.merge_file, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
-                      tiktoken_pattern=args.tiktoken_pattern,
-                      tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
-
-
 def config_from_dict(d: dict) -> TrainConfig:
     d = dict(d)
     sections = {"parallel": ParallelConfig, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
@@ -126,7 +65,7 @@ def config_from_dict(d: dict) -> TrainConfig:
     return TrainConfig(**d)
 
 
-def _spec_stem(path: str) -> str:
+def spec_stem(path: str) -> str:
     base = os.path.basename(os.path.normpath(path))
     return base.rsplit(".", 1)[0] if base.endswith((".yaml", ".yml")) else base
 
@@ -536,17 +475,33 @@ def _error_lines(e: Exception) -> list:
 
 # -- launcher ----------------------------------------------------------------------------------------
 
-def launch(args) -> int:
+@dataclass
+class Launch:
+    """torchrun's options for `launch` (its flags of the same names)."""
+
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    max_restarts: int = 0
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_backend: str | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+
+
+def launch(cfg: TrainConfig, args: Launch) -> int:
+    """Check everything, then start the ranks through torchrun (or train in this process: one
+    rank, nothing to restart)."""
     from specc.errors import SpecError
 
     try:
-        cfg = config_from_args(args)
         if args.nproc_per_node < 1 or args.nnodes < 1:
             raise ConfigError([f"--nproc-per-node and --nnodes must be at least 1, got {args.nproc_per_node}, "
                                f"{args.nnodes}"])
         if args.max_restarts < 0:
             raise ConfigError([f"--max-restarts must be at least 0, got {args.max_restarts}"])
-        launch_errors = _launch_rules(args)
+        launch_errors = _launch_rules(args, cfg.device)
         if launch_errors:
             raise ConfigError(launch_errors)
         world = args.nproc_per_node * args.nnodes
@@ -608,7 +563,7 @@ def fit_rules(cfg: TrainConfig, ranks_per_node: int) -> list:
     return memory_rules(plan.totals, cfg, ranks_per_node, device)
 
 
-def _launch_rules(args) -> list:
+def _launch_rules(args: Launch, device: str) -> list:
     """torchrun's flags, checked here rather than in torchrun's traceback."""
     errors = []
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
@@ -621,7 +576,7 @@ def _launch_rules(args) -> list:
         errors.append(f"--node-rank {args.node_rank}: must be between 0 and --nnodes - 1 ({args.nnodes - 1})")
     import torch
 
-    if args.device in ("cuda", "auto") and torch.cuda.is_available() and \
+    if device in ("cuda", "auto") and torch.cuda.is_available() and \
             args.nproc_per_node > torch.cuda.device_count():
         errors.append(f"--nproc-per-node {args.nproc_per_node}: this node has {torch.cuda.device_count()} GPU(s), "
                       f"one per rank (use --device cpu for more ranks than GPUs)")
@@ -631,25 +586,15 @@ def _launch_rules(args) -> list:
 # -- one rank ------------------------------------------------------------------------------------------
 
 def rank_main(argv=None) -> int:
-    """`python -m specc_torch.train SPEC [flags]`, one process per rank (torchrun sets the env)."""
-    from specc.cli import build_parser
-    from specc.commands.train_args import build_rank_parser
-
-    parser = build_rank_parser()
-    parser.shares_flags_with = (build_parser(),)  # a spec maps no flag of specc's commands, here too
-    args = parser.parse_args(argv)
-    if args.config_json is not None:
-        cfg = config_from_dict(json.loads(args.config_json))
-    else:
-        from specc.errors import SpecError
-
-        try:
-            cfg = config_from_args(args)
-        except SpecError as e:
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(e.format(), file=sys.stderr)
-            return 2
-    return run(cfg)
+    """`python -m specc_cli.rank SPEC --config-json JSON`: one rank that `launch` started through
+    torchrun, with the configuration it checked. Ranks launched by hand with Megatron's flags run
+    `torchrun -m specc_cli.rank SPEC [flags]` (the command line's layer parses them)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 3 or argv[1] != "--config-json":
+        print("python -m specc_torch.train: takes SPEC --config-json JSON from `specc train`; to launch ranks "
+              "yourself with training flags run `torchrun ... -m specc_cli.rank SPEC [flags]`", file=sys.stderr)
+        return 2
+    return run(config_from_dict(json.loads(argv[2])))
 
 
 def run(cfg: TrainConfig, stream=None) -> int:

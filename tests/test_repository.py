@@ -29,8 +29,8 @@ def test_ci_runs_the_readme_test_command_which_lints_and_checks_generated_first(
         assert hits, f"`make test` does not run {pattern!r}:\n{dry.stdout}"
         return hits[0]
 
-    lint = where(r"ruff check specc runtime specc_torch tests\b")
-    check = where(r"-m specc check generated\b")
+    lint = where(r"ruff check specc runtime specc_torch specc_cli tests\b")
+    check = where(r"-m specc_cli check generated\b")
     suite = where(r"-m pytest\b")
     assert lint < suite and check < suite  # fast failures first
 

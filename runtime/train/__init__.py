@@ -1,5 +1,5 @@
 """Training: configuration, the loop (setup_model_and_optimizer, train, train_step, evaluate) and
-reporting. The launcher behind `specc train` and `torchrun -m specc_torch.train`, which compiles
+reporting. The launcher behind `specc train` and `torchrun -m specc_cli.rank`, which compiles
 the spec and hands it to the loop, is specc_torch.train."""
 
 from .config import TrainConfig, resolve

@@ -1,6 +1,6 @@
 """Training configuration as plain dataclasses, and the rules checked before any rank starts.
 
-The command line (specc/commands/train.py, Megatron's flag names) fills these; nothing here
+The command line (specc_cli/train.py, Megatron's flag names) fills these; nothing here
 reads globals or the environment. `validate` returns every broken rule as one line, so the
 launcher can print them all and exit before torchrun starts a single process.
 """

@@ -8,10 +8,8 @@
         --normalization: RMSNorm # a flag with the value that selects this spec's structure
       no_effect:                 # a flag that changes nothing in this spec's model, and why
         --max-position-embeddings: rotary positions are computed for any length
-      checkpoint:                # Megatron Core checkpoint names (specc_torch/megatron_ckpt, docs/checkpoints.md)
-        params: [{specc: embedding.weight, megatron: embedding.word_embeddings.weight}, ...]
 
-The command line (specc/args.py) applies `flags` as config overrides, accepts a structural flag
+The command line (specc_cli/args.py) applies `flags` as config overrides, accepts a structural flag
 the spec declares (it selects what the spec already is), accepts a `no_effect` flag with a note
 in the run's log saying why and refuses any other with a hint that
 names the shipped specs (specs/*.yaml) declaring it, so the compiler holds no table of
@@ -20,24 +18,22 @@ architectures: the specs say what they are.
 Only model flags are the spec's to map: a flag one of specc's commands defines itself (`--lr`,
 `--save`, `--tp`, `--num-layers`, ...) would be read by that command and never reach the spec, so
 `plan` and `train` would build different models. The command line knows its flags
-(specc/args.py CommandLineFlags) and hands them to `MegatronFlags.refuse`: nothing here lists them.
+(specc_cli/args.py CommandLineFlags) and hands them to `MegatronFlags.refuse`: nothing here lists them.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 
 from ..errors import Loc, SpecError, did_you_mean
-from .yamlload import LDict, LList, load_yaml, read_text
+from .yamlload import LDict, LList
 
 MEGATRON_KEYS = ("flags", "structure", "no_effect", "checkpoint")
 FLAG_SECTIONS = ("flags", "structure", "no_effect")
 CHECKPOINT_KEYS = ("params", "ignore", "extra_state")
 CHECKPOINT_PARAM_KEYS = ("specc", "megatron", "permute")
 FLAG = re.compile(r"^--[a-z0-9][a-z0-9-]*$")
-SHIPPED_SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "specs")
 
 
 @dataclass
@@ -64,7 +60,7 @@ class MegatronFlags:
 
     def refuse(self, owned) -> None:
         """The located error of the first flag of the block that is not the spec's to map:
-        `owned(flag)` is (what, hint) for a flag the command line reads itself (specc/args.py
+        `owned(flag)` is (what, hint) for a flag the command line reads itself (specc_cli/args.py
         CommandLineFlags), None for a model flag. A structure declared false maps nothing."""
         if owned is None:
             return
@@ -119,40 +115,6 @@ def check_megatron(raw, loc: Loc, config: LDict) -> MegatronFlags:
                     raise SpecError(value_loc, f"{flag} must be true (a flag without a value), false (not this "
                                     f"structure) or the value that selects this spec's structure, got {value!r}")
                 out.structure[flag] = value if isinstance(value, bool) else str(value)
-    return out
-
-
-def read_megatron(path: str) -> MegatronFlags:
-    """The `megatron:` block of the spec at `path`, after `extends`. Raises SpecError."""
-    from .load import read_spec
-
-    raw = read_spec(path)
-    config = raw.get("config", LDict())
-    config = config if isinstance(config, LDict) else LDict()
-    out = MegatronFlags()
-    if "megatron" in raw:
-        out = check_megatron(raw["megatron"], raw.value_loc("megatron"), config)
-    out.config = set(config)
-    return out
-
-
-def shipped() -> list:
-    """(display path, MegatronFlags) of each shipped spec that reads cleanly, in name order."""
-    out = []
-    if not os.path.isdir(SHIPPED_SPECS):
-        return out
-    for name in sorted(os.listdir(SHIPPED_SPECS)):
-        if not name.endswith((".yaml", ".yml")):
-            continue
-        path = os.path.join(SHIPPED_SPECS, name)
-        try:
-            flags = read_megatron(path)
-            own = load_yaml(read_text(path), path)  # its own text: the spec it extends
-        except SpecError:
-            continue
-        parent = own.get("extends") if isinstance(own, LDict) else None
-        flags.extends = f"specs/{os.path.normpath(parent)}" if isinstance(parent, str) else None
-        out.append((f"specs/{name}", flags))
     return out
 
 

@@ -10,8 +10,9 @@ from ..errors import Loc, SpecError
 from .render import human_bytes, plan_dict
 
 
-def load_side(path: str, flags: str) -> dict:
-    """A plan as a dict: from a saved plan.json, or compiled from a spec with its own flags."""
+def load_side(path: str, flags: str, compile_spec) -> dict:
+    """A plan as a dict: from a saved plan.json, a generated folder, or compiled from a spec with
+    its own flags: compile_spec(path, words) -> graph, the command line's parsing of the flags."""
     if path.endswith(".json"):
         if flags:
             raise SpecError(Loc(path), "flags apply to specs, not to a saved plan")
@@ -49,16 +50,13 @@ def load_side(path: str, flags: str) -> dict:
         data = plan_dict(build_plan(graph))
         data["_label"] = f"{path} ({command_of(recipe)})"
         return data
-    from ..cli import build_parser, compile_args
-
     try:
         words = shlex.split(flags)
     except ValueError as e:
         raise SpecError(Loc(f"flags '{flags}'"), str(e)) from None
-    args = build_parser().parse_args(["plan", path, *words])
     from . import build_plan
 
-    _, graph = compile_args(args)
+    graph = compile_spec(path, words)
     data = plan_dict(build_plan(graph))
     data["_label"] = f"{path} {flags}".strip()
     return data

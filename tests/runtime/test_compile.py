@@ -87,7 +87,7 @@ def test_verify_takes_the_torch_compile_flags():
     """The CLI's --torch-compile reaches VerifyConfig (a TP=2+SP verify with it passed by hand:
     specc verify specs/gpt-tiny.yaml --tp 2 --sp on --torch-compile --torch-compile-backend aot_eager;
     the full run costs ~30 s of suite time, the in-process tests above check compiled == eager)."""
-    from specc.cli import build_parser
+    from specc_cli.main import build_parser
 
     args = build_parser().parse_args(["verify", "specs/gpt-tiny.yaml", "--torch-compile", "--torch-compile-backend",
                                       "aot_eager"])
@@ -96,8 +96,9 @@ def test_verify_takes_the_torch_compile_flags():
 
 def test_train_flag_compiles_the_layers_of_the_training_model():
     from runtime.train.training import setup_model_and_optimizer, train_step
-    from specc.commands.train_args import build_rank_parser
-    from specc_torch.train import compile_model, config_from_args
+    from specc_cli.train_args import build_rank_parser
+    from specc_cli.train_config import config_from_args
+    from specc_torch.train import compile_model
 
     argv = [os.path.join(ROOT, "specs", "gpt-tiny.yaml"), "--micro-batch-size", "2", "--device", "cpu"]
     losses = []

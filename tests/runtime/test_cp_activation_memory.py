@@ -22,7 +22,7 @@ BATCH = 2
 
 
 def _plan_bytes(cp: int) -> int:
-    cmd = [sys.executable, "-m", "specc", "plan", SPEC, "--json", "--dtype", "fp32", "--micro-batch-size",
+    cmd = [sys.executable, "-m", "specc_cli", "plan", SPEC, "--json", "--dtype", "fp32", "--micro-batch-size",
            str(BATCH), "--cp", str(cp)] + [a for k, v in CONFIG.items() for a in ("--set", f"{k}={v}")]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
     return json.loads(out)["totals"]["activation_bytes"]

@@ -12,9 +12,9 @@ import tempfile
 
 import pytest
 
-from specc.cli import main
 from specc.errors import SpecError
 from specc.files import atomic_write, atomic_write_text, check_replaceable, not_a_file
+from specc_cli.main import main
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")

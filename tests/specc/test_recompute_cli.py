@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from specc.cli import main
+from specc_cli.main import main
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")

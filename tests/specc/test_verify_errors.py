@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from specc.cli import main
+from specc_cli.main import main
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
@@ -45,7 +45,7 @@ def test_a_rank_failing_inside_verify_is_one_line(tmp_path):
         verify._verify_all = failing
     """))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
-    result = subprocess.run([sys.executable, "-m", "specc", "verify", GPT_TINY, "--tp", "2", "--sp", "off"], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "specc_cli", "verify", GPT_TINY, "--tp", "2", "--sp", "off"], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr == "error: specc verify: rank 1 failed: ValueError: injected failure on rank 1\n"

@@ -10,7 +10,7 @@ import torch
 
 import runtime
 import specc_torch
-from specc.cli import main
+from specc_cli.main import main
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")

@@ -53,7 +53,7 @@ def test_ranks_on_one_host_share_its_memory(monkeypatch):
 
 def test_a_model_too_large_for_the_host_is_one_line_before_anything_starts(tmp_path):
     run_dir = tmp_path / "never"
-    done = subprocess.run([sys.executable, "-m", "specc", "train", GPT_TINY, "--hidden-size", "100000",
+    done = subprocess.run([sys.executable, "-m", "specc_cli", "train", GPT_TINY, "--hidden-size", "100000",
                            "--nproc-per-node", "2", "--device", "cpu", "--run-dir", str(run_dir), "--mock-data"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr

@@ -34,7 +34,7 @@ def test_a_second_run_is_refused_and_a_killed_run_is_resumed_never_overwritten(s
 
     ckpt = tmp_path / "ckpt"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    first = subprocess.Popen([sys.executable, "-m", "specc", "train", GPT_TINY, "--train-iters", "100000", "--save",
+    first = subprocess.Popen([sys.executable, "-m", "specc_cli", "train", GPT_TINY, "--train-iters", "100000", "--save",
                               str(ckpt), "--save-interval", "1", "--data-path", corpus, "--run-dir",
                               str(tmp_path / "first"), *SMALL], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)

@@ -49,6 +49,6 @@ def test_llama_tiny_pipeline_with_tensor_parallelism_and_interleaving():
                                     "equal shares of at least 2 micro-batches (use --batch 2)"),
 ])
 def test_verify_pipeline_errors_before_starting_ranks(flags, message):
-    out = subprocess.run([sys.executable, "-m", "specc", "verify", "specs/gpt-tiny.yaml", "--tp", "1", *flags],
+    out = subprocess.run([sys.executable, "-m", "specc_cli", "verify", "specs/gpt-tiny.yaml", "--tp", "1", *flags],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip() == message

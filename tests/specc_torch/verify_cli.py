@@ -1,4 +1,4 @@
-"""`specc verify ARGS` as `python -m specc verify ARGS` run from the repository root reports it
+"""`specc verify ARGS` as `python -m specc_cli verify ARGS` run from the repository root reports it
 (exit code, stdout, stderr), but called inside the test process: verify's ranks are forks of one
 forkserver per process (specc_torch.verify.verify), so a call here starts no interpreter and
 imports no torch, where a subprocess paid both twice (its own and its forkserver's), seconds per
@@ -15,7 +15,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def run_verify(*args) -> subprocess.CompletedProcess:
-    from specc.cli import main
+    from specc_cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     here = os.getcwd()

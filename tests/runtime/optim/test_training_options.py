@@ -253,8 +253,8 @@ def test_fp16_exit_interval_no_load_optim_and_finetune_in_the_loop(corpus, tmp_p
 
 
 def test_megatrons_training_flags_reach_the_config():
-    from specc.cli import build_parser
-    from specc_torch.train import config_from_args
+    from specc_cli.main import build_parser
+    from specc_cli.train_config import config_from_args
 
     spec = os.path.join(os.path.dirname(__file__), "..", "..", "..", "specs", "gpt-tiny.yaml")
     args = build_parser().parse_args(
@@ -282,11 +282,12 @@ def test_megatrons_training_flags_reach_the_config():
 
 
 def test_the_plan_says_its_dtype_and_train_compiles_at_the_dtype_it_runs():
-    from specc.cli import build_parser
     from specc.frontend.model import Settings
     from specc.pipeline import load_and_compile
     from specc.plan import build_plan, plan_text
-    from specc_torch.train import compile_model, config_from_args
+    from specc_cli.main import build_parser
+    from specc_cli.train_config import config_from_args
+    from specc_torch.train import compile_model
 
     spec = os.path.join(os.path.dirname(__file__), "..", "..", "..", "specs", "gpt-tiny.yaml")
     header = plan_text(build_plan(load_and_compile(spec, Settings())[1])).splitlines()[3]

@@ -94,7 +94,7 @@ def test_nan_and_infinity_are_written_as_null(tmp_path):
 
     # `specc plot` reads them as NaN (gaps in the curve), not as an error
     pytest.importorskip("matplotlib")
-    from specc.commands.plot import plot_run, read_metrics
+    from specc_cli.plot import plot_run, read_metrics
 
     train, evals = read_metrics(str(tmp_path))
     assert math.isnan(train[0]["loss"]) and math.isnan(evals[0]["loss"]) and math.isnan(evals[0]["ppl"])

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from specc.cli import main
 from specc.emit import emit_model
+from specc_cli.main import main
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 SPECS = os.path.join(ROOT, "specs")

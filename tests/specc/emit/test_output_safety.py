@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from specc.cli import main
 from specc.emit.write import FILES, MARKER, MARKER_TEXT
+from specc_cli.main import main
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from specc.cli import main
+from specc_cli.main import main
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -83,7 +83,7 @@ def _run_bounded(argv: list, cwd=ROOT):
     """(the finished process, the CPU seconds it used): `specc validate` in a process whose
     address space is capped."""
     start = _children_cpu_seconds()
-    proc = subprocess.run([sys.executable, "-m", "specc", "validate", *argv], cwd=cwd, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "specc_cli", "validate", *argv], cwd=cwd, capture_output=True,
                           text=True, timeout=30, preexec_fn=_limit_memory)
     return proc, _children_cpu_seconds() - start
 

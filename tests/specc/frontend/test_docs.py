@@ -64,7 +64,7 @@ def test_the_worked_example_is_what_the_text_says(tmp_path):
 
 def test_the_quoted_size_error_is_real():
     line = next(ln for ln in TEXT.splitlines() if ln.startswith("specs/gpt.yaml:") and "num_heads=12" in ln)
-    proc = subprocess.run([sys.executable, "-m", "specc", "validate", "specs/gpt.yaml", "--tp", "8"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "specc_cli", "validate", "specs/gpt.yaml", "--tp", "8"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == line
 

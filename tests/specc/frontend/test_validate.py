@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from specc.cli import main
+from specc_cli.main import main
 
 from .conftest import ROOT
 
@@ -69,7 +69,7 @@ def test_schema_is_json_and_names_every_op():
 
 def test_validate_imports_no_torch_and_is_fast():
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "specc", "validate", "specs/gpt.yaml"],
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "specc_cli", "validate", "specs/gpt.yaml"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     seconds = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr

@@ -120,7 +120,7 @@ def test_cp1_plans_match_the_single_axis_text(compiled):
 def test_diff_rebuilds_generated_folders_from_their_recorded_settings(capsys, monkeypatch):
     import os
 
-    from specc.cli import main
+    from specc_cli.main import main
 
     monkeypatch.chdir(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     assert main(["diff", "generated/gpt_tp2_sp", "generated/gpt_tp2_sp_cp2"]) == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from specc.cli import main
+from specc_cli.main import main
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 GPT = os.path.join(ROOT, "specs", "gpt-tiny.yaml")

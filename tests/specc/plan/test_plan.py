@@ -112,7 +112,7 @@ def test_plan_is_byte_identical_across_runs_and_hash_seeds():
     for seed in ("0", "1", "12345", "random"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
         for args in (["--tp", "2", "--sp"], ["--tp", "4", "--json"]):
-            out = subprocess.run([sys.executable, "-m", "specc", "plan", "specs/llama.yaml", *args], cwd=ROOT, env=env,
+            out = subprocess.run([sys.executable, "-m", "specc_cli", "plan", "specs/llama.yaml", *args], cwd=ROOT, env=env,
                                  capture_output=True, text=True, check=True).stdout
             outputs.add((tuple(args), out))
     assert len(outputs) == 2  # one text per set of flags, whatever the hash seed

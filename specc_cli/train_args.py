@@ -1,15 +1,16 @@
 """The flags of `specc train SPEC [flags]` and of one training rank, `torchrun ... -m
 specc_torch.train SPEC [flags]`: Megatron's names with Megatron's meaning (Megatron's model flags
-are the spec's: specc/commands/megatron_flags.py). Parsing only: the command
-that launches is specc/commands/train.py, the rank's entry specc_torch/train.py."""
+are the spec's: specc_cli/megatron_flags.py). Parsing only: the command
+that launches is specc_cli/train.py, the rank's entry specc_torch/train.py."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ..args import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError, add_flag_table, recompute_flags
-from ..errors import SpecError
+from specc.errors import SpecError
+from specc_cli.args import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError, add_flag_table, recompute_flags
+
 from .data import add_tokenizer_arguments
 
 _FUSION = "a CUDA kernel fusion switch: the ops compute the same values unfused"
@@ -18,7 +19,7 @@ _RAMPUP = "batch-size ramp-up is not implemented: every iteration uses --global-
 _DECOUPLED = ("a separate learning rate for the embedding and output layer is not implemented: every parameter "
               "follows --lr and --min-lr")
 
-# Megatron's training flags that are neither a setting here nor the spec's (specc/commands/megatron_flags.py):
+# Megatron's training flags that are neither a setting here nor the spec's (specc_cli/megatron_flags.py):
 # (flag, number of values, fate, why). "no effect": accepted, and the run's log says once why it
 # changes nothing on this backend (kernel choices, Megatron's internals); "refused": one line with
 # the reason, all of a command line's together. A flag that changes the numerics or the model is
@@ -113,7 +114,7 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    help="MoE experts split over N of the data-parallel ranks (default 1)")
     g.add_argument("--expert-tensor-parallel-size", dest="etp", type=int, default=None, metavar="N",
                    help="tensor parallelism inside each expert: equals --tensor-model-parallel-size here")
-    from ..args import pipeline_flags
+    from specc_cli.args import pipeline_flags
 
     pipeline_flags(g)
     g.add_argument("--pipeline-schedule", dest="pp_schedule", default=None,
@@ -257,11 +258,10 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
 
 
 def build_rank_parser() -> argparse.ArgumentParser:
-    """The parser of `python -m specc_torch.train` (one rank; torchrun launched it)."""
-    p = _RankParser(prog="python -m specc_torch.train",
+    """The parser of `torchrun -m specc_cli.rank` (one rank, launched by hand)."""
+    p = _RankParser(prog="python -m specc_cli.rank",
                     description="Train a compiled spec (run under torchrun, one process per rank).")
     add_train_arguments(p, launcher=False)
-    p.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # from `specc train`, already checked
     return p
 
 

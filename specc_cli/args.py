@@ -1,14 +1,18 @@
 """Command-line parsing shared by the `specc` commands and by the training rank's entry
-(`torchrun -m specc_torch.train`): argparse with one-line errors and conflicting duplicate flags
+(`torchrun -m specc_cli.rank`): argparse with one-line errors and conflicting duplicate flags
 refused, the flags every command that compiles a spec accepts, and their settings and `--set`
-overrides. No command is dispatched from here, so the layer above (specc_torch) can parse the
-same flags without importing the CLI that calls into it."""
+overrides."""
 
 from __future__ import annotations
 
 import argparse
 
-from .errors import Loc, SpecError, _one_line
+from specc.errors import Loc, SpecError
+from specc.frontend.model import Settings
+from specc.passes.pipeline import check_pipeline_flags
+
+from .megatron_flags import apply_spec_flags
+from .usage import COMMAND_FLAGS, MEGATRON_NOTES, MEGATRON_REFUSED, SPEC_FLAG_OVERRIDES, UsageError, UsageErrors
 
 MEGATRON_CONFIG_FLAGS = {  # Megatron's model-size flags, applied as config overrides
     "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
@@ -17,36 +21,7 @@ MEGATRON_CONFIG_FLAGS = {  # Megatron's model-size flags, applied as config over
 
 
 _GIVEN, _PROG = "_specc_given", "_specc_prog"  # bookkeeping kept on the namespace while parsing
-SPEC_FLAG_OVERRIDES = "spec_flag_overrides"  # (config name, value text, flag) from the spec's megatron.flags
-MEGATRON_NOTES = "megatron_notes"  # lines for the run's log: Megatron flags accepted that change nothing here
-MEGATRON_REFUSED = "megatron_refused"  # (flag as given, why) of Megatron flags refused with a reason
-COMMAND_FLAGS = "command_flags"  # the CommandLineFlags of the parser that made the namespace
 MAX_COMMANDS = 6  # commands named in one error
-
-
-class UsageError(SystemExit):
-    """A mistake on the command line (an unknown flag, a bad value, a missing argument): one line
-    `error: WHAT (hint: ...)` and exit code 2, never the whole usage."""
-
-    def __init__(self, prog: str, message: str, hint: str | None = None):
-        super().__init__(2)
-        self.prog, self.message = prog, message
-        self.hint = hint if hint is not None else f"hint: see {prog} --help"
-
-    def format(self) -> str:
-        return _one_line(f"error: {self.message} ({self.hint})")
-
-
-class UsageErrors(UsageError):
-    """Several mistakes on one command line (refused and unknown flags): all of them at once, one
-    line each, in the order they were given, rather than one per run."""
-
-    def __init__(self, errors: list):
-        super().__init__(errors[0].prog, errors[0].message, errors[0].hint)
-        self.errors = errors
-
-    def format(self) -> str:
-        return "\n".join(e.format() for e in self.errors)
 
 
 class FlagTable(argparse.Action):
@@ -232,8 +207,6 @@ class ArgumentParser(argparse.ArgumentParser):
         errors = [UsageError(prog, f"{given}: {why}", f"hint: drop {given.split()[0]}")
                   for given, why in getattr(ns, MEGATRON_REFUSED, None) or []]
         if extras or isinstance(getattr(ns, "spec", None), str):  # the spec's megatron: block, checked
-            from .commands.megatron_flags import apply_spec_flags
-
             extras = apply_spec_flags(ns, extras, prog, errors)  # each message starts with its flag
         flags = [e.message.split()[0].rstrip(":") for e in errors]
         for group in _flag_groups(extras):
@@ -350,8 +323,6 @@ def pipeline_flags(g) -> None:
 
 
 def settings_from(args):
-    from .frontend.model import Settings
-
     if args.tp < 1:
         raise SpecError(Loc("--tensor-model-parallel-size"), f"must be at least 1, got {args.tp}")
     if args.micro_batch_size < 1:
@@ -365,8 +336,6 @@ def settings_from(args):
         raise SpecError(Loc("--cp-comm-type"), "has no effect without context parallelism",
                         "add --context-parallel-size N, or drop --cp-comm-type")
     check_expert_parallel(args)
-    from .passes.pipeline import check_pipeline_flags
-
     check_pipeline_flags(args.pp, args.pp_virtual_stage_layers, args.pp_first_stage_layers,
                          args.pp_last_stage_layers, args.pp_layout)
     return Settings(tp=args.tp, sp=args.sp and args.tp > 1, backend=args.backend,

@@ -78,7 +78,7 @@ def plot_run(run_dir: str, output: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..files import atomic_write, check_replaceable
+    from specc.files import atomic_write, check_replaceable
 
     check_replaceable(output, "-o")  # a regular file or nothing, refused before the drawing
     train, evals = read_metrics(run_dir)

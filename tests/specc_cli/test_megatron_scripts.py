@@ -1,6 +1,6 @@
 """Megatron-LM's own example scripts through `specc train` (issue 26): every flag of each script,
 verbatim, with the sizes shrunk, either works as in Megatron, is accepted with a note in the log
-where it has no effect on this backend (specc/commands/train_args.py MEGATRON_FLAG_FATES, a spec's
+where it has no effect on this backend (specc_cli/train_args.py MEGATRON_FLAG_FATES, a spec's
 megatron.no_effect), or is refused with its reason, every refused flag of a command line on its own
 line of one message. The lists are the scripts' *_ARGS arrays in order, from NVIDIA/Megatron-LM at
 commit 779c5b748dbcf00ad9e36d539c576b404ab4abe9 (the last commit that changed all three; read at
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests", "runtime", "data"))
 from tokenizer_files import sentencepiece_model  # noqa: E402
 
@@ -160,8 +160,8 @@ def _groups(words: list) -> list:
 
 
 def _parse(spec: str, words: list):
-    from specc.args import ArgumentParser
-    from specc.commands.train import add_parsers
+    from specc_cli.args import ArgumentParser
+    from specc_cli.train import add_parsers
 
     parser = ArgumentParser(prog="specc")
     add_parsers(parser.add_subparsers(dest="command"))
@@ -171,8 +171,8 @@ def _parse(spec: str, words: list):
 @pytest.mark.parametrize("script", sorted(FATES))
 def test_every_flag_of_megatrons_example_script_works_has_no_effect_or_is_refused(script):
     from runtime.train.config import resolve
-    from specc.args import UsageError, UsageErrors
-    from specc_torch.train import config_from_args
+    from specc_cli.args import UsageError, UsageErrors
+    from specc_cli.train_config import config_from_args
 
     spec, words, fate = FATES[script]
     flags = [group[0] for group in _groups(words)]

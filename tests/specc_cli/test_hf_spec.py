@@ -10,7 +10,7 @@ import pytest
 from specc.errors import SpecError
 from specc.frontend.load import load_spec
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _load(tmp_path, hf_text: str):

@@ -1,14 +1,15 @@
 """The `specc` command line. Pure text in, text out: nothing here imports torch, except the
 commands that run models (verify, train, hf, data), which import specc_torch (or the runtime)
-when they start. The parsing kit they share is specc/args.py."""
+when they start. The parsing kit they share is specc_cli/args.py."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import __version__
-from .args import (
+from specc import __version__
+from specc.errors import Loc, SpecError, _one_line
+from specc_cli.args import (
     MEGATRON_CONFIG_FLAGS,
     ArgumentParser,
     UsageError,
@@ -18,13 +19,14 @@ from .args import (
     settings_from,
     spec_flags,
 )
-from .errors import Loc, SpecError, _one_line
+
+from . import data, hf, plot, train
 
 
 def compile_args(args):
     """(spec, graph) for a SPEC argument and the common flags, for the commands that only plan
     (validate, plan, graph, diff): a backend asked for by name need not be installed here."""
-    from .pipeline import load_and_compile
+    from specc.pipeline import load_and_compile
 
     return load_and_compile(args.spec, settings_from(args), overrides_from(args), plan_only=True)
 
@@ -32,8 +34,9 @@ def compile_args(args):
 # -- commands ------------------------------------------------------------------------------------
 
 def cmd_validate(args) -> int:
-    from .commands.megatron_flags import check_spec_block
-    from .summary import summarize
+    from specc.summary import summarize
+
+    from .megatron_flags import check_spec_block
 
     failed = 0
     for path in args.specs:
@@ -50,14 +53,14 @@ def cmd_validate(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    from .schema import schema_text
+    from specc.schema import schema_text
 
     sys.stdout.write(schema_text())
     return 0
 
 
 def cmd_plan(args) -> int:
-    from .plan import build_plan, plan_json, plan_text
+    from specc.plan import build_plan, plan_json, plan_text
 
     machine, job = _prediction_args(args)
     spec, graph = compile_args(args)
@@ -67,8 +70,8 @@ def cmd_plan(args) -> int:
         return 0
     import json
 
-    from .plan.render import plan_dict, prediction_text
-    from .plan.time import predict
+    from specc.plan.render import plan_dict, prediction_text
+    from specc.plan.time import predict
 
     shape = spec.inputs[0].shape if spec.inputs else (plan.settings.micro_batch_size,)
     tokens = 1
@@ -98,14 +101,14 @@ def _prediction_args(args):
                             "job: --num-gpus N --global-batch-size B")
         if value < 1:
             raise SpecError(Loc(f"{flag} {value}"), "must be at least 1")
-    from .plan.machine import load_machine
-    from .plan.time import Job
+    from specc.plan.machine import load_machine
+    from specc.plan.time import Job
 
     return load_machine(args.machine), Job(args.num_gpus, args.global_batch_size, args.use_distributed_optimizer)
 
 
 def cmd_graph(args) -> int:
-    from .graphviz import to_dot, write_outputs
+    from specc.graphviz import to_dot, write_outputs
 
     _, graph = compile_args(args)
     written = write_outputs(to_dot(graph), args.output)
@@ -115,24 +118,27 @@ def cmd_graph(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    from .plan.diff import diff_plans, load_side
+    from specc.plan.diff import diff_plans, load_side
 
-    a = load_side(args.a, args.a_flags)
-    b = load_side(args.b, args.b_flags)
+    def plan_graph(spec: str, words: list):  # a spec side: its flags read as `specc plan` reads them
+        return compile_args(build_parser().parse_args(["plan", spec, *words]))[1]
+
+    a = load_side(args.a, args.a_flags, plan_graph)
+    b = load_side(args.b, args.b_flags, plan_graph)
     text, differ = diff_plans(a, b)
     sys.stdout.write(text)
     return 1 if differ else 0
 
 
 def cmd_compile(args) -> int:
-    from .emit.write import compile_to_dir
-    from .frontend.load import MAX_NAME
-    from .pipeline import load_and_compile
+    from specc.emit.write import compile_to_dir
+    from specc.frontend.load import MAX_NAME
+    from specc.pipeline import load_and_compile
 
     if args.name is not None and len(args.name) > MAX_NAME:
         raise SpecError(Loc("--name"), f"the name is {len(args.name)} characters long, at most {MAX_NAME}",
                         "it names the generated folder")
-    from .emit.recipe import command_of, make_recipe
+    from specc.emit.recipe import command_of, make_recipe
 
     settings, overrides = settings_from(args), overrides_from(args)
     recipe = make_recipe(args.spec, settings, overrides)
@@ -160,8 +166,8 @@ def cmd_verify(args) -> int:
     located = overrides_from(args)
     overrides = {key: value for key, value, _ in located}
     recompute = recompute_from(args)
-    from .frontend.model import Settings
-    from .pipeline import load_and_compile
+    from specc.frontend.model import Settings
+    from specc.pipeline import load_and_compile
 
     if max(eps) > 1 and max(cps) > 1:
         raise SpecError(Loc("--ep"), "expert parallelism with context parallelism is not supported yet",
@@ -195,7 +201,7 @@ def cmd_verify(args) -> int:
     from specc_torch.verify import MUTATIONS, RankFailure, VerifyConfig, format_table, verify  # imports torch: only now
 
     if args.mutate is not None and args.mutate not in MUTATIONS:
-        from .errors import did_you_mean
+        from specc.errors import did_you_mean
 
         raise SpecError(Loc(f"--mutate {args.mutate}"), "unknown mutation", did_you_mean(args.mutate, MUTATIONS))
 
@@ -238,7 +244,7 @@ def _int_list(text: str, flag: str) -> list:
 
 
 def cmd_check(args) -> int:
-    from .emit.write import check_generated
+    from specc.emit.write import check_generated
 
     return check_generated(args.generated, sys.stdout)
 
@@ -345,9 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("generated", nargs="?", default="generated", help="the generated root (default generated/)")
     c.set_defaults(func=cmd_check)
 
-    from .commands import register_all  # train, data, plot, hf: each in its own module
-
-    register_all(sub)
+    for module in (train, data, plot, hf):  # each command in its own module
+        module.add_parsers(sub)
     return p
 
 

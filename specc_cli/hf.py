@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import Loc, SpecError
+from specc.errors import Loc, SpecError
 
 
 def add_parsers(sub) -> None:
@@ -38,7 +38,7 @@ def _common(c: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args) -> dict:
-    from ..args import overrides_from
+    from specc_cli.args import overrides_from
 
     return {key: value for key, value, _ in overrides_from(args)}
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
 SMALL = ("--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "2", "--log-interval", "1",
          "--no-progress")
@@ -55,10 +55,11 @@ def test_tp2_cp2_trains_and_its_checkpoint_loads_at_tp1_cp1_with_the_same_valida
 
 
 def test_the_context_parallel_flags_and_their_errors(specc, corpus, tmp_path):
-    from specc.commands.train_args import build_rank_parser
-    from specc_torch.train import check, config_from_args
+    from specc_cli.train_args import build_rank_parser
+    from specc_cli.train_config import config_from_args
+    from specc_torch.train import check
 
-    # `torchrun -m specc_torch.train` takes the same flags; the spec compiles for the CP size
+    # `torchrun -m specc_cli.rank` takes the same flags; the spec compiles for the CP size
     args = build_rank_parser().parse_args([GPT_TINY, "--cp", "2", "--cp-comm-type", "all_gather", "--data-path",
                                            corpus, "--run-dir", str(tmp_path / "never")])
     cfg = config_from_args(args)

@@ -8,13 +8,13 @@ import os
 
 import pytest
 
-from specc.args import overrides_from
-from specc.cli import build_parser, main
 from specc.errors import SpecError
 from specc.frontend.model import Settings
 from specc.pipeline import load_and_compile
+from specc_cli.args import overrides_from
+from specc_cli.main import build_parser, main
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
 LLAMA_TINY = os.path.join(ROOT, "specs", "llama-tiny.yaml")
 
@@ -71,14 +71,14 @@ def test_flags_the_spec_does_not_declare(capsys):
 
 
 def test_the_hint_comes_from_the_shipped_specs(capsys, tmp_path, monkeypatch):
-    from specc.frontend import megatron
+    from specc.frontend import megatron_specs
 
     (tmp_path / "base.yaml").write_text(open(GPT_TINY.replace("gpt-tiny", "gpt")).read())
     (tmp_path / "relu2.yaml").write_text("name: relu2\nextends: base.yaml\nmegatron:\n  structure:\n"
                                          "    --squared-relu: true\n  flags:\n    --ffn-dim: ffn_hidden_size\n")
     err = _one_line(capsys, ["plan", GPT_TINY, "--squared-relu"])
     assert err.endswith("(hint: no shipped spec has that structure: write it in a spec (docs/spec-language.md))")
-    monkeypatch.setattr(megatron, "SHIPPED_SPECS", str(tmp_path))
+    monkeypatch.setattr(megatron_specs, "SHIPPED_SPECS", str(tmp_path))
     err = _one_line(capsys, ["plan", GPT_TINY, "--squared-relu"])
     assert err.endswith("(hint: specs/relu2.yaml has it: specc plan specs/relu2.yaml)")
     for i in range(5):
@@ -121,7 +121,7 @@ def test_a_broken_block_is_a_located_error(capsys, tmp_path, block, error):
 
 TRAIN_FLAG = ("is a flag of specc train ({group}), not a model setting; a spec's megatron: block maps only model "
               "flags (drop it from the block: the command line reads {flag} itself)")
-SPEC_COMMANDS = "specc validate, plan, graph, compile and train"  # the commands of specc.args.spec_flags, and train
+SPEC_COMMANDS = "specc validate, plan, graph, compile and train"  # the commands of specc_cli.args.spec_flags, and train
 
 
 @pytest.mark.parametrize("section,flag,line", [
@@ -146,7 +146,7 @@ SPEC_COMMANDS = "specc validate, plan, graph, compile and train"  # the commands
 ])
 def test_a_flag_the_command_line_reads_is_located_in_the_spec_on_every_command(capsys, tmp_path, monkeypatch,
                                                                                 section, flag, line):
-    import specc_torch.train
+    import specc_cli.rank
 
     spec = tmp_path / "s.yaml"
     value = "head_dim" if section == "flags" else "true"
@@ -163,11 +163,11 @@ def test_a_flag_the_command_line_reads_is_located_in_the_spec_on_every_command(c
     with pytest.raises(SpecError) as raised:
         build_parser().parse_args(["train", str(spec), "--mock-data"])
     assert raised.value.format() == error
-    # the rank's own entry (torchrun -m specc_torch.train) refuses what any specc command reads
+    # the rank's own entry (torchrun -m specc_cli.rank) refuses what any specc command reads
     trained = []
-    monkeypatch.setattr(specc_torch.train, "run", lambda cfg, stream=None: trained.append(cfg) or 0)
+    monkeypatch.setattr(specc_cli.rank, "run", lambda cfg, stream=None: trained.append(cfg) or 0)
     with pytest.raises(SystemExit) as exited:
-        specc_torch.train.rank_main([str(spec), "--mock-data", "--device", "cpu"])
+        specc_cli.rank.rank_main([str(spec), "--mock-data", "--device", "cpu"])
     assert exited.value.code == 2 and not trained
     assert capsys.readouterr().err.startswith(f"{spec}:5:5: error: {flag} ")
 
@@ -177,8 +177,8 @@ def test_no_flag_of_any_command_can_be_mapped(tmp_path):
     parsers, so a flag added to a command later is covered without a list to update here."""
     import argparse
 
-    from specc.commands.train_args import build_rank_parser
     from specc.frontend.megatron import FLAG
+    from specc_cli.train_args import build_rank_parser
 
     def flags_of(parser):
         for action in parser._actions:
@@ -191,7 +191,7 @@ def test_no_flag_of_any_command_can_be_mapped(tmp_path):
     flags = sorted({*flags_of(parser), *flags_of(build_rank_parser())})
     flags = [flag for flag in flags if FLAG.match(flag)]  # not --nproc_per_node: no Megatron flag is spelled so
     assert {"--lr", "--save", "--data-path", "--tp", "--micro-batch-size", "--tensor-model-parallel-size",
-            "--json", "--config-json", "--nproc-per-node"} <= set(flags)  # plan's, train's, the launcher's, the rank's
+            "--json", "--nproc-per-node"} <= set(flags)  # plan's, train's, the launcher's
     spec = tmp_path / "s.yaml"
     for flag in flags:
         spec.write_text(f"extends: {GPT_TINY}\nname: s\nmegatron:\n  flags:\n    {flag}: head_dim\n")
@@ -201,7 +201,7 @@ def test_no_flag_of_any_command_can_be_mapped(tmp_path):
 
 
 def test_model_flags_no_command_reads_stay_the_spec_s(tmp_path):
-    from specc.args import CommandLineFlags
+    from specc_cli.args import CommandLineFlags
 
     flags = CommandLineFlags(build_parser())
     for flag in ("--kv-channels", "--num-query-groups", "--norm-epsilon", "--swiglu", "--rotary-base"):

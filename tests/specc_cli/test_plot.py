@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from specc.cli import main
-from specc.commands.plot import panels_of, read_metrics
+from specc_cli.main import main
+from specc_cli.plot import panels_of, read_metrics
 
 pytest.importorskip("matplotlib")
 

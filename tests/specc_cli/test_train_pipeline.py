@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
 # the seed's command (docs/training.md), at a test's size: micro-batch 16, global batch 32
 SEED = ("--nproc-per-node", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel",

@@ -4,14 +4,14 @@ config value; a flag in `megatron.structure` is accepted (it selects what the sp
 a flag in `megatron.no_effect` is accepted with a note for the run's log (ns.megatron_notes) saying
 why it changes nothing in this spec's model; any other Megatron model flag is a one-line error whose hint names the shipped specs that declare
 it. Nothing here knows an architecture: the specs say which flags they answer to. A block that
-maps a flag the command line reads itself (specc/args.py CommandLineFlags) is the spec's located
+maps a flag the command line reads itself (specc_cli/args.py CommandLineFlags) is the spec's located
 error, on every command, whatever flags are given."""
 
 from __future__ import annotations
 
 import os
 
-from ..args import COMMAND_FLAGS, MEGATRON_NOTES, SPEC_FLAG_OVERRIDES, UsageError
+from .usage import COMMAND_FLAGS, MEGATRON_NOTES, SPEC_FLAG_OVERRIDES, UsageError
 
 # Megatron's flags that select structure (no spec needs to declare them for the error to say so):
 # names of Megatron's command line, not of any spec.
@@ -31,8 +31,9 @@ def apply_spec_flags(ns, extras: list, prog: str, errors: list | None = None) ->
     `errors` is None); SpecError (located in the spec) for a block mapping a flag of the command
     line (ns.command_flags); return the words left (unrecognized). With no words, only the block
     is checked, and a spec that does not read is left to the compiler, which reports it."""
-    from ..errors import SpecError
-    from ..frontend.megatron import MegatronFlags, read_megatron, shipped
+    from specc.errors import SpecError
+    from specc.frontend.megatron import MegatronFlags
+    from specc.frontend.megatron_specs import read_megatron, shipped
 
     spec = getattr(ns, "spec", None)
     declared, spec_name = MegatronFlags(), "the spec"

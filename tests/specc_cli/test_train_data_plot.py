@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
 SEED_FLAGS = ("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 2 --global-batch-size 32 "
               "--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 "
@@ -45,22 +45,18 @@ def corpus(tmp_path_factory):
 
 
 def test_command_modules_do_not_import_torch():
-    code = ("import sys, specc.cli, specc.commands.train, specc.commands.data, specc.commands.plot; "
+    code = ("import sys, specc_cli.main, specc_cli.train, specc_cli.data, specc_cli.plot; "
             "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'imported at import time'")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
 def test_megatrons_command_line_is_accepted_with_its_meaning(specc):
-    from specc import cli
-    from specc.commands import register_all
-    from specc_torch.train import check, config_from_args
+    from specc_cli.main import build_parser
+    from specc_cli.train_config import config_from_args
+    from specc_torch.train import check
 
-    parser = cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, type(parser._subparsers._group_actions[0])))
-    if "train" not in sub.choices:
-        register_all(sub)
-    args = parser.parse_args(["train", GPT_TINY, "--nproc-per-node", "2", *SEED_FLAGS])
+    args = build_parser().parse_args(["train", GPT_TINY, "--nproc-per-node", "2", *SEED_FLAGS])
     cfg = config_from_args(args)
     spec = check(cfg, world_size=2)  # the rules, and the spec compiled with the flags
     assert (cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.dp) == (2, True, 1)
@@ -97,7 +93,7 @@ def test_broken_rules_are_one_line_each_and_nothing_starts(specc, corpus, tmp_pa
 
 
 def test_torchrun_by_hand_trains_tp2_sp_dp2_and_plots(specc, gpt2, tmp_path):
-    """`torchrun -m specc_torch.train` launched by hand: each rank parses Megatron's flags itself
+    """`torchrun -m specc_cli.rank` launched by hand: each rank parses Megatron's flags itself
     (`specc train` launches the same module with the checked configuration: the pipeline,
     context-, expert-parallel and restart tests run it). The seed's command at tiny sizes on 4
     ranks, TP=2 + SP x DP=2 with the distributed optimizer, on a Megatron dataset prefix with
@@ -106,7 +102,7 @@ def test_torchrun_by_hand_trains_tp2_sp_dp2_and_plots(specc, gpt2, tmp_path):
     prefix, tokenizer = gpt2
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
-           "specc_torch.train", GPT_TINY, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+           "specc_cli.rank", GPT_TINY, "--tensor-model-parallel-size", "2", "--sequence-parallel",
            "--micro-batch-size", "2", "--global-batch-size", "8", "--num-layers", "2", "--hidden-size", "64",
            "--num-attention-heads", "4", "--seq-length", "32", "--use-distributed-optimizer", "--train-iters", "6",
            "--log-interval", "3", "--eval-interval", "6", "--eval-iters", "1", "--lr", "3e-3", "--data-path", prefix,

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 MIXTRAL_TINY = os.path.join(ROOT, "specs", "mixtral-tiny.yaml")
 SMALL = ("--micro-batch-size", "2", "--global-batch-size", "8", "--eval-iters", "2", "--log-interval", "1",
          "--no-progress")

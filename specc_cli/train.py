@@ -1,9 +1,10 @@
 """`specc train SPEC [flags]`: validate everything, then launch the ranks through torchrun.
+`torchrun ... -m specc_cli.rank SPEC [flags]` (specc_cli/rank.py) is one rank for people who launch
+ranks themselves.
 
 Megatron's flag names, with Megatron's meaning, so Megatron's command lines work after
-`specc train SPEC --nproc-per-node N`. `torchrun ... -m specc_torch.train SPEC [flags]` runs the
-same thing for people who launch ranks themselves. The flags are specc/commands/train_args.py.
-Nothing here imports torch: specc_torch.train is imported when the command runs.
+`specc train SPEC --nproc-per-node N`. The flags are specc_cli/train_args.py. Nothing here
+imports torch at import time: specc_torch.train is imported when the command runs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from .train_args import add_train_arguments, build_rank_parser
 def cmd_train(args) -> int:
     from specc_torch.train import launch  # imports torch: only now
 
-    return launch(args)
+    from .train_config import config_from_args, launch_from_args
+
+    return launch(config_from_args(args), launch_from_args(args))
 
 
 def add_parsers(sub) -> None:

@@ -9,13 +9,13 @@ import sys
 import pytest
 
 from specc import __version__
-from specc.cli import main
+from specc_cli.main import main
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def run(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "specc", *args], cwd=ROOT, capture_output=True, text=True, **kw)
+    return subprocess.run([sys.executable, "-m", "specc_cli", *args], cwd=ROOT, capture_output=True, text=True, **kw)
 
 
 def test_version_and_help(capsys):
@@ -32,8 +32,8 @@ def test_version_and_help(capsys):
 @pytest.mark.parametrize("command", ["plan", "compile", "graph", "validate"])
 def test_compiler_commands_never_import_torch(command, tmp_path):
     args = {"compile": ["-o", str(tmp_path)], "graph": ["-o", str(tmp_path / "g.dot")]}.get(command, [])
-    result = run("-X", "importtime", "-m", "specc", command, "specs/gpt.yaml", "--tp", "2", "--sp", *args) \
-        if False else subprocess.run([sys.executable, "-X", "importtime", "-m", "specc", command, "specs/gpt.yaml",
+    result = run("-X", "importtime", "-m", "specc_cli", command, "specs/gpt.yaml", "--tp", "2", "--sp", *args) \
+        if False else subprocess.run([sys.executable, "-X", "importtime", "-m", "specc_cli", command, "specs/gpt.yaml",
                                       "--tp", "2", "--sp", *args], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     imported = [ln for ln in result.stderr.splitlines() if ln.startswith("import time:")]

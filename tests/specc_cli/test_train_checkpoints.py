@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
 SMALL = ("--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "0", "--log-interval", "1",
          "--no-progress")
@@ -49,9 +49,9 @@ def test_keep_last_keeps_the_newest_checkpoints(specc, corpus, tmp_path):
         assert (code, err) == (2, message + "\n")
     assert complete_steps(str(ckpt)) == [4, 5] and not (tmp_path / "never").exists()
 
-    # `torchrun -m specc_torch.train` takes the same flag
-    from specc.commands.train_args import build_rank_parser
-    from specc_torch.train import config_from_args
+    # `torchrun -m specc_cli.rank` takes the same flag
+    from specc_cli.train_args import build_rank_parser
+    from specc_cli.train_config import config_from_args
 
     args = build_rank_parser().parse_args([GPT_TINY, "--save", str(ckpt), "--keep-last", "3"])
     assert config_from_args(args).checkpoint.keep_last == 3

@@ -1,7 +1,7 @@
 """`specc plan SPEC --FLAG V` and `specc train SPEC --FLAG V` build the same model. A flag a spec's
-`megatron:` block maps resolves to the same config overrides in plan (specc.args.overrides_from),
+`megatron:` block maps resolves to the same config overrides in plan (specc_cli.args.overrides_from),
 in train's configuration (specc_torch.train.config_from_args: what the launcher checks and every
-rank compiles) and at the rank's own entry (torchrun -m specc_torch.train); a flag either
+rank compiles) and at the rank's own entry (torchrun -m specc_cli.rank); a flag either
 command reads itself cannot be mapped at all, so no flag means one thing to plan and another to
 train. Nothing is trained here: the rank's `run` is replaced by one that keeps its configuration."""
 
@@ -11,14 +11,17 @@ import os
 
 import pytest
 
+import specc_cli.rank
+import specc_cli.train_config
 import specc_torch.train
-from specc.args import overrides_from, settings_from
-from specc.cli import build_parser
 from specc.errors import SpecError
-from specc.frontend.megatron import FLAG, shipped
+from specc.frontend.megatron import FLAG
+from specc.frontend.megatron_specs import shipped
 from specc.pipeline import load_and_compile
+from specc_cli.args import overrides_from, settings_from
+from specc_cli.main import build_parser
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
 LLAMA_TINY = os.path.join(ROOT, "specs", "llama-tiny.yaml")
 
@@ -27,12 +30,12 @@ LLAMA_TINY = os.path.join(ROOT, "specs", "llama-tiny.yaml")
 def resolve(monkeypatch):
     """resolve(spec, *flags) -> (plan's args, train's TrainConfig, the rank's TrainConfig)."""
     configs, parser = [], build_parser()
-    monkeypatch.setattr(specc_torch.train, "run", lambda cfg, stream=None: configs.append(cfg) or 0)
+    monkeypatch.setattr(specc_cli.rank, "run", lambda cfg, stream=None: configs.append(cfg) or 0)
 
     def run(spec, *flags):
         plan = parser.parse_args(["plan", spec, *flags])
-        train = specc_torch.train.config_from_args(parser.parse_args(["train", spec, *flags]))
-        assert specc_torch.train.rank_main([spec, *flags]) == 0
+        train = specc_cli.train_config.config_from_args(parser.parse_args(["train", spec, *flags]))
+        assert specc_cli.rank.rank_main([spec, *flags]) == 0
         return plan, train, configs.pop()
 
     return run

@@ -1,6 +1,0 @@
-import sys
-
-from .cli import main
-
-if __name__ == "__main__":  # guarded: spawned worker processes re-import the main module
-    sys.exit(main())
