@@ -8,7 +8,10 @@ the norm gains by about 0.3):
   one group, the in-projection cut segment by segment), and export gives back every tensor bit for bit;
 - `specc verify` at TP 2 and 4 with and without SP and at PP 2 x TP 2 with SP (loss, every
   activation, gradient and the weights after a step, the collectives the plan counts);
-- context parallelism and a TP size that splits a norm group are located errors."""
+- context parallelism and a TP size that splits a norm group are located errors;
+- a config.json the spec does not model is refused on import: the mixer op's knobs (groups and
+  state size trading off at equal tensor shapes, the activation), the layer kinds in either
+  spelling, the dt clamp."""
 
 from __future__ import annotations
 
@@ -113,3 +116,34 @@ def test_context_parallelism_and_a_tp_size_splitting_a_norm_group_are_located_er
     with pytest.raises(SpecError) as e:
         compile_source(SPEC, settings.pop("tp"), **settings)
     assert where in str(e.value) and message in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("check, change, message", [
+    # the op's knobs, whatever the spec's hf.config lists: two groups of state 12 have the tensor
+    # shapes of four groups of 6
+    ("modeled", dict(n_groups=2, ssm_state_size=12), "ssm_state_size = 12, but spec nemotron_h_tiny models 6 at layers.0.mixer.ssm"),
+    ("modeled", dict(mamba_hidden_act="gelu"), 'mamba_hidden_act = "gelu", but spec nemotron_h_tiny models "silu" at '
+                                               "layers.0.mixer.ssm"),
+    # the layer kinds, as transformers 5 writes them and as the published files do
+    ("kinds", dict(layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"]),
+     "layers_block_type has 5 layers and 'mlp' at layer 1, but spec nemotron_h_tiny builds full_attention there"),
+    ("config", dict(hybrid_override_pattern="M-*M-"), 'hybrid_override_pattern = "M-*M-", but spec nemotron_h_tiny gives "M*-M-"'),
+    ("config", dict(time_step_min=0.01), "time_step_min = 0.01, but spec nemotron_h_tiny gives 0.001"),
+])
+def test_a_config_the_spec_does_not_model_is_refused(check, change, message):
+    from transformers import NemotronHConfig
+
+    from specc_torch.hf.convert import HFError, check_config, check_layer_kinds, check_modeled, model_params
+    from specc_torch.hf.mapping import mapping_of
+
+    spec, _, _, graph = model_params(SPEC, with_graph=True)
+    mapping = mapping_of(spec)
+    checks = {"config": lambda c: check_config(mapping, c, "x", spec.name),
+              "modeled": lambda c: check_modeled(graph, c, "x", spec.name),
+              "kinds": lambda c: check_layer_kinds(mapping, graph, c, "x", spec.name)}
+    config = NemotronHConfig(**CONFIG).to_dict()
+    for each in checks.values():
+        each(config)  # what the spec models
+    with pytest.raises(HFError) as e:
+        checks[check]({**config, **change})
+    assert message in str(e.value), str(e.value)
