@@ -9,6 +9,7 @@ name), so TP=4 starts from exactly the TP=1 model.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,12 +17,13 @@ import torch
 from . import mappings
 from .parallel_state import Group
 
-_KINDS = ("normal", "ones", "zeros")
+# ssm_a_log, ssm_dt_bias: the Mamba-2 mixer's per-head A_log and dt_bias, drawn as Megatron does
+_KINDS = ("normal", "ones", "zeros", "ssm_a_log", "ssm_dt_bias")
 
 
 @dataclass(frozen=True)
 class ParamInit:
-    kind: str  # "normal" | "ones" | "zeros"
+    kind: str  # one of _KINDS
     std: float
     full_shape: tuple[int, ...]
     shard_dim: int | None  # None: replicated
@@ -172,6 +174,12 @@ def full_init_tensor(meta: ParamInit, seed: int, name: str) -> torch.Tensor:
     if meta.kind == "zeros":
         return torch.zeros(meta.full_shape)
     generator = torch.Generator().manual_seed(stable_seed(seed, name))
+    if meta.kind == "ssm_a_log":  # A uniform in [1, 16], kept as log A (A = -exp(A_log))
+        return torch.log(torch.rand(meta.full_shape, generator=generator) * 15 + 1)
+    if meta.kind == "ssm_dt_bias":  # softplus^-1 of dt log-uniform in [0.001, 0.1], at least 1e-4
+        low, high = math.log(1e-3), math.log(1e-1)
+        dt = torch.exp(torch.rand(meta.full_shape, generator=generator) * (high - low) + low).clamp(min=1e-4)
+        return dt + torch.log(-torch.expm1(-dt))
     return torch.randn(meta.full_shape, generator=generator) * meta.std
 
 
@@ -238,12 +246,12 @@ def init_parameters(model: torch.nn.Module, seed: int) -> None:
 
 def randomized_full_tensor(meta: ParamInit, seed: int, name: str) -> torch.Tensor:
     """A full tensor far from the initial one, identical at every TP size: gains (init "ones")
-    uniform in [0.5, 1.5], biases (init "zeros") normal around 0.1 with std 0.1, other weights
-    normal with their init std (0.02 where that is 0). Drawn from its own stream per name."""
+    uniform in [0.5, 1.5], biases (init "zeros") and the Mamba-2 A_log and dt_bias normal around
+    0.1 with std 0.1, other weights normal with their init std (0.02 where that is 0). Drawn from its own stream per name."""
     generator = torch.Generator().manual_seed(stable_seed(seed, "randomized:" + name))
     if meta.kind == "ones":
         return torch.rand(meta.full_shape, generator=generator) + 0.5
-    if meta.kind == "zeros":
+    if meta.kind in ("zeros", "ssm_a_log", "ssm_dt_bias"):
         return torch.randn(meta.full_shape, generator=generator) * 0.1 + 0.1
     return torch.randn(meta.full_shape, generator=generator) * (meta.std or 0.02)
 

@@ -98,7 +98,7 @@ class Mamba2Mixer(nn.Module):
                           segments=channels)
         else:
             self.conv1d.bias = None
-        per_head = {"A_log": "zeros", "D": "ones", "dt_bias": "zeros"}  # A = -exp(A_log) = -1 at the start
+        per_head = {"A_log": "ssm_a_log", "D": "ones", "dt_bias": "ssm_dt_bias"}  # Megatron's draws (runtime.init)
         for name, kind in per_head.items():
             setattr(self, name, tag_parameter(nn.Parameter(torch.empty(self.heads)), kind, tp=tp,
                                               full_shape=(num_heads,), shard_dim=0))

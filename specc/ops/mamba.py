@@ -73,8 +73,8 @@ class Mamba2Mixer(OpKind):
         out = [Weight("conv1d.weight", (sum(channels), 1, attrs["conv_kernel"]), "normal", 0, channels)]
         if attrs["conv_bias"]:
             out.append(Weight("conv1d.bias", (sum(channels),), "zeros", 0, channels))
-        out += [Weight("A_log", (heads,), "zeros", 0), Weight("D", (heads,), "ones", 0),
-                Weight("dt_bias", (heads,), "zeros", 0), Weight("norm.weight", (inner,), "ones", 0)]
+        out += [Weight("A_log", (heads,), "ssm_a_log", 0), Weight("D", (heads,), "ones", 0),
+                Weight("dt_bias", (heads,), "ssm_dt_bias", 0), Weight("norm.weight", (inner,), "ones", 0)]
         return out
 
     def hf_knobs(self):
