@@ -27,13 +27,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RUNTIME_TESTS = os.path.join(HERE, "..", "..", "runtime")
-for _p in (HERE, RUNTIME_TESTS):  # tp_equivalence and multiproc, here and in the spawned ranks
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if HERE not in sys.path:  # tp_equivalence, here and in the spawned ranks
+    sys.path.insert(0, HERE)
 
 import tp_equivalence  # noqa: E402
-from multiproc import DistPools  # noqa: E402
 
 from specc.layouts import SH, I  # noqa: E402
 from specc.ops import OPS  # noqa: E402
@@ -102,13 +99,6 @@ def spec_text(name: str) -> str:
     extra, steps = SPECS[name]
     steps = steps + ["l = loss(logits, labels)", "return l"]
     return HEADER.replace("NAME", name) + extra + "    forward:\n" + "".join(f"      - {s}\n" for s in steps)
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    pools = DistPools()
-    yield pools
-    pools.close()
 
 
 @pytest.fixture

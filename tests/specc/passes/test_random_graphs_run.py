@@ -23,12 +23,10 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-for _p in (HERE, os.path.join(HERE, "..", "..", "runtime")):  # here and in the spawned ranks
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if HERE not in sys.path:  # here and in the spawned ranks
+    sys.path.insert(0, HERE)
 
 import random_graph_ranks  # noqa: E402
-from multiproc import DistPools  # noqa: E402
 from test_random_graphs import BLOCKS, H, S, V, block, submodules  # noqa: E402
 
 import specc_torch  # noqa: E402
@@ -69,13 +67,6 @@ def random_program(draw):
     return text.replace("{op: dropout, p: 0.1}", "{op: dropout, p: 0.0}"), names + ["labels"]
 
 
-@pytest.fixture(scope="module")
-def pools():
-    p = DistPools()
-    yield p
-    p.close()
-
-
 def _close(got, ref, scale=None) -> bool:
     scale = ref.abs().max().item() if scale is None else scale
     return (got - ref).abs().max().item() <= REL * max(scale, 1e-30) + 1e-7
@@ -85,7 +76,7 @@ def _close(got, ref, scale=None) -> bool:
                                                                  HealthCheck.function_scoped_fixture])
 @given(program=random_program(), setting=st.sampled_from([(2, 1, False), (2, 1, True), (4, 1, False),
                                                           (4, 1, True), (1, 2, False), (2, 2, True)]))
-def test_random_graphs_run_and_match_tp1(pools, tmp_path_factory, program, setting):
+def test_random_graphs_run_and_match_tp1(gloo, tmp_path_factory, program, setting):
     text, names = program
     tp, cp, sp = setting
     path = str(tmp_path_factory.mktemp("run") / "random.yaml")
@@ -97,7 +88,7 @@ def test_random_graphs_run_and_match_tp1(pools, tmp_path_factory, program, setti
         assert e.loc is not None and "\n" not in e.format()
         return
     ref = random_graph_ranks.step(0, 1, path, 1, 1, False, V, B, S, names)
-    got = pools.run(WORLD, random_graph_ranks.step, path, tp, cp, sp, V, B, S, names)[0]
+    got = gloo.run(WORLD, random_graph_ranks.step, path, tp, cp, sp, V, B, S, names)[0]
     assert _close(got["loss"], ref["loss"]), (text, setting, "loss")
     for what in ("grads", "weights"):
         for name, r in ref[what].items():
