@@ -19,7 +19,7 @@ TOP_KEYS = {"name": "str", "description": "str", "extends": "str", "config": "ma
 MODEL_KEYS = {"module", "inputs"}
 MODULE_KEYS = {"description", "inputs", "submodules", "forward", "recompute"}
 RECOMPUTE = ("full", "selective")  # a module's `recompute:` (Megatron's granularities)
-REF_KEYS = {"module", "repeat", "description"}
+REF_KEYS = {"module", "repeat", "description", "modules", "pattern"}  # modules + pattern: a per-layer choice
 LEAF_RESERVED = {"op", "impl", "description"}
 IMPLS = ("auto", "native", "te", "flash", "unfused")
 DTYPES = ("int64", "int32", "float32", "bfloat16", "float16")
@@ -243,6 +243,42 @@ class _Builder:
         _check_dataflow(module)
         return module
 
+    def _patterned(self, name: str, raw: LDict, repeat: int | None) -> Ref:
+        """A repeated submodule whose layer i is the module `modules[pattern[i]]` (Megatron's hybrid
+        override pattern "M-M*-", or a list of keys such as Hugging Face's layers_block_type)."""
+        if "module" in raw:
+            raise SpecError(raw.key_loc("module"), f"submodule '{name}' has both 'module' and 'modules'",
+                            "one module for every layer: module; one per layer by a pattern: modules and pattern")
+        for key, other in (("modules", "pattern"), ("pattern", "modules")):
+            if key not in raw:
+                raise SpecError(raw.key_loc(other), f"submodule '{name}' has '{other}' without '{key}'",
+                                "modules: {M: MambaLayer, '*': AttentionLayer} picks layer i's module by pattern[i]")
+        table = raw["modules"]
+        if not isinstance(table, LDict) or not table:
+            raise SpecError(raw.value_loc("modules"), f"'modules' must be a non-empty mapping of pattern keys to module "
+                            f"names, got {_kind(table)}", "e.g. modules: {M: MambaLayer, '*': AttentionLayer}")
+        kinds = {str(k): self._str(table, k) for k in table}
+        pattern = self.value(raw["pattern"], raw.value_loc("pattern"))
+        at = raw.value_loc("pattern")
+        if isinstance(pattern, str):
+            keys = list(pattern)
+        elif isinstance(pattern, list) and all(isinstance(k, str) for k in pattern):
+            keys = list(pattern)
+        else:
+            raise SpecError(at, f"'pattern' must be a string (one character a layer) or a list of keys, got {_kind(pattern)}")
+        if not 1 <= len(keys) <= MAX_REPEAT:
+            raise SpecError(at, f"'pattern' names {len(keys)} layers; it must name between 1 and {MAX_REPEAT}")
+        for i, key in enumerate(keys):
+            if key not in kinds:
+                raise SpecError(at, f"pattern entry {_clip(key)!r} (layer {i}) is not a key of 'modules'",
+                                did_you_mean(key, kinds))
+        if repeat is not None and repeat != len(keys):
+            raise SpecError(raw.value_loc("repeat"), f"repeat={repeat}, but 'pattern' names {len(keys)} layers",
+                            "leave repeat out: the pattern's length is the number of layers")
+        layers = tuple(kinds[k] for k in keys)
+        locs = {kinds[k]: table.value_loc(k) for k in table}
+        return Ref(name, layers[0], len(layers), raw.value_loc("modules"), layer_modules=layers, module_locs=locs)
+
     def _name_list(self, raw: LDict, key: str, what: str) -> list:
         items = raw.get(key, LList())
         if not isinstance(items, LList):
@@ -259,17 +295,19 @@ class _Builder:
     def _submodule(self, name: str, raw, loc: Loc):
         if not isinstance(raw, LDict):
             raise SpecError(loc, f"submodule '{name}' must be a mapping with 'op:' or 'module:', got {_kind(raw)}")
-        if "op" in raw and "module" in raw:
-            raise SpecError(raw.key_loc("module"), f"submodule '{name}' has both 'op' and 'module'", "use one of them")
-        if "module" in raw:
+        for ref in ("module", "modules"):
+            if "op" in raw and ref in raw:
+                raise SpecError(raw.key_loc(ref), f"submodule '{name}' has both 'op' and '{ref}'", "use one of them")
+        if "module" in raw or "modules" in raw:
             _check_keys(raw, REF_KEYS, f"in submodule '{name}'")
-            target = self._str(raw, "module")
             repeat = None
             if "repeat" in raw:
                 repeat = self._int(raw["repeat"], raw.value_loc("repeat"), "repeat")
                 if not 1 <= repeat <= MAX_REPEAT:
                     raise SpecError(raw.value_loc("repeat"), f"repeat={repeat} must be between 1 and {MAX_REPEAT}")
-            return Ref(name, target, repeat, raw.value_loc("module"))
+            if "modules" in raw or "pattern" in raw:
+                return self._patterned(name, raw, repeat)
+            return Ref(name, self._str(raw, "module"), repeat, raw.value_loc("module"))
         if "op" not in raw:
             raise SpecError(raw.loc, f"submodule '{name}' needs 'op:' (an op from the registry) or 'module:' (a spec module)")
         op_name = self._str(raw, "op")
@@ -499,8 +537,10 @@ def _check_module_graph(modules: dict, root: str) -> None:
     """Module references must exist, agree in arity, and not contain themselves."""
     for m in modules.values():
         for sub in m.submodules.values():
-            if isinstance(sub, Ref) and sub.module not in modules:
-                raise SpecError(sub.loc, f"undefined module '{sub.module}'", did_you_mean(sub.module, modules))
+            for target in (sub.modules() if isinstance(sub, Ref) else ()):
+                if target not in modules:
+                    raise SpecError(sub.module_locs.get(target, sub.loc), f"undefined module '{target}'",
+                                    did_you_mean(target, modules))
     state: dict = {}
     ops: dict = {}  # module -> ops in one instance, repeats expanded
 
@@ -516,8 +556,10 @@ def _check_module_graph(modules: dict, root: str) -> None:
         count = sum(len(step.targets) or 1 for step in modules[name].steps)  # builtins (+, *) count too
         for sub in modules[name].submodules.values():
             if isinstance(sub, Ref):
-                visit(sub.module, path + [name], sub.loc)
-                count += ops[sub.module] * (sub.repeat or 1)
+                for target in sub.modules():
+                    visit(target, path + [name], sub.module_locs.get(target, sub.loc))
+                count += sum(ops[sub.module_at(i)] for i in range(sub.repeat)) if sub.layer_modules else \
+                    ops[sub.module] * (sub.repeat or 1)
                 if count > MAX_OPS:
                     raise SpecError(sub.loc, f"the model expands to more than {MAX_OPS:,} ops",
                                     "check 'repeat' and the sizes it comes from")
@@ -544,12 +586,18 @@ def _check_arity(e, targets, m: ModuleDef, modules: dict, top: bool) -> None:
         return
     sub = m.submodules[e.name]
     if isinstance(sub, Ref):
-        callee = modules[sub.module]
-        n_in, n_out = len(callee.inputs), len(callee.returns)
-        if sub.repeat is not None and (n_in < 1 or n_out != 1):
-            raise SpecError(sub.loc, f"repeated module '{sub.module}' must take at least one input and return one value",
-                            f"it takes {n_in} and returns {n_out}; the first input is threaded through the layers, "
-                            "the others (a padding mask) reach every layer unchanged")
+        for target in sub.modules():
+            callee = modules[target]
+            n_in, n_out = len(callee.inputs), len(callee.returns)
+            if sub.repeat is not None and (n_in < 1 or n_out != 1):
+                raise SpecError(sub.loc, f"repeated module '{target}' must take at least one input and return one value",
+                                f"it takes {n_in} and returns {n_out}; the first input is threaded through the layers, "
+                                "the others (a padding mask) reach every layer unchanged")
+            first = modules[sub.module]
+            if n_in != len(first.inputs):
+                raise SpecError(sub.module_locs.get(target, sub.loc), f"the layers of '{sub.name}' take different inputs: "
+                                f"'{first.name}' takes {len(first.inputs)}, '{target}' takes {n_in}",
+                                "every module of a pattern takes the value threaded through the layers (and the same side inputs)")
         lo, hi = n_in, n_in
     else:
         kind = SPEC_OPS[sub.op]
@@ -565,7 +613,7 @@ def _check_arity(e, targets, m: ModuleDef, modules: dict, top: bool) -> None:
 
 # -- the Hugging Face mapping (`hf:`), read by specc_torch/hf and `specc hf import|export` ------------
 
-HF_KEYS = {"architecture", "config", "export_config", "import_config", "import_defaults", "rotary", "params", "ignore"}
+HF_KEYS = {"architecture", "config", "export_config", "import_config", "import_defaults", "rotary", "params", "ignore", "layer_types"}
 HF_PARAM_KEYS = {"specc", "hf", "transpose", "rotary", "permute", "layer_offset"}
 HF_ROTARY_LAYOUTS = ("rotate_half", "interleaved")
 
@@ -599,6 +647,8 @@ def _check_hf(hf, loc: Loc, value) -> None:
             if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
                 raise SpecError(rotary.value_loc("head_dim") if "head_dim" in rotary else rotary.loc,
                                 f"'rotary.head_dim' must be an even integer, got {_kind(dim)}", "e.g. head_dim: ${head_dim}")
+    if "layer_types" in hf:
+        _hf_layer_types(hf["layer_types"], hf.value_loc("layer_types"))
     if "params" in hf:
         _hf_params(hf["params"], hf.value_loc("params"), value)
     if "ignore" in hf:
@@ -607,6 +657,26 @@ def _check_hf(hf, loc: Loc, value) -> None:
             raise SpecError(hf.value_loc("ignore"), f"'ignore' must be a list of names, got {_kind(ignore)}")
         for i, name in enumerate(ignore):
             _hf_name(name, ignore.item_loc(i), "an ignored name")
+
+
+def _hf_layer_types(raw, loc: Loc) -> None:
+    """hf.layer_types: {key: a config.json key, names: {spec module: its name there}}: the list of
+    layer kinds config.json gives under `key`, one per layer of the repeated block."""
+    if not isinstance(raw, LDict):
+        raise SpecError(loc, f"'layer_types' must be a mapping, got {_kind(raw)}",
+                        "e.g. layer_types: {key: layer_types, names: {MambaLayer: mamba, AttentionLayer: attention}}")
+    _check_keys(raw, {"key", "names"}, "in 'hf.layer_types'")
+    for key in ("key", "names"):
+        if key not in raw:
+            raise SpecError(raw.loc, f"'hf.layer_types' needs '{key}'")
+    if not isinstance(raw["key"], str) or not raw["key"]:
+        raise SpecError(raw.value_loc("key"), f"'layer_types.key' must be a config.json key, got {_kind(raw['key'])}")
+    names = raw["names"]
+    if not isinstance(names, LDict) or not names:
+        raise SpecError(raw.value_loc("names"), "'layer_types.names' must map spec modules to Hugging Face layer kinds")
+    for module, kind in names.items():
+        if not isinstance(kind, str):
+            raise SpecError(names.value_loc(module), f"the layer kind of {module} must be a string, got {_kind(kind)}")
 
 
 def _hf_config(cfg, loc: Loc, key: str, value) -> None:

@@ -23,6 +23,7 @@ from .embedding import Embedding, PositionEmbedding
 from .heads import Concat, ExpandHeads
 from .linear import BiasAdd, Linear
 from .loss import CrossEntropy
+from .mamba import Mamba2Mixer
 from .moe import MoE
 from .norm import LayerNorm, RMSNorm
 from .rotary import Rotary
@@ -30,6 +31,7 @@ from .rotary import Rotary
 _ALL = (Linear(), BiasAdd(), Embedding(), PositionEmbedding(), LayerNorm(), RMSNorm(), Gelu(), Silu(), Swiglu(),
         Dropout(), Split(), Add(), Mul(), Rotary(), CoreAttention(), CrossEntropy(), BoundaryOp(),
         MoE(), Concat(), ExpandHeads(),
+        Mamba2Mixer(),
         Relu(), SquaredRelu(), Glu(), Geglu(), Reglu(), Scale(), Softcap())
 OPS = {op.name: op for op in _ALL}
 # what a spec may name with `op:` (builtins come from `+` and `*`; bias_add is made by the compiler)
