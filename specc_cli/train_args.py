@@ -74,8 +74,9 @@ MEGATRON_FLAG_FATES = (
     ("--fp8-amax-history-len", 1, "refused", _FP8),
     ("--fp8-amax-compute-algo", 1, "refused", _FP8),
     ("--fp8-param-gather", 0, "refused", _FP8),
-    ("--ckpt-format", 1, "refused", "checkpoints are written in specc's own layout (docs/checkpoints.md); "
-     "Megatron Core's torch_dist and legacy formats are not written yet"),
+    ("--ckpt-format", 1, "refused", "a run saves specc's own layout, which resumes with its optimizer state "
+     "(docs/checkpoints.md); `specc megatron export` converts a checkpoint to torch_dist for Megatron, and --load "
+     "--finetune reads Megatron's torch_dist and legacy torch checkpoints (weights only)"),
     ("--distributed-timeout-minutes", 1, "refused", "the collectives' timeout is torch's default here (30 "
      "minutes); setting it is not implemented"),
 )

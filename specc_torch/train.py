@@ -42,6 +42,8 @@ from runtime.train.config import (
 )
 
 from .api import compile_source
+from .megatron_ckpt.files import is_megatron_dir
+from .megatron_ckpt.train import megatron_import, megatron_load_rules
 from .torchrun import report_error
 
 
@@ -139,6 +141,8 @@ def check(cfg: TrainConfig, world_size: int):
         pass  # --save X --load X with nothing saved in X yet: the first launch starts afresh, as in Megatron
     elif cfg.checkpoint.load is not None and not os.path.isdir(cfg.checkpoint.load):
         errors.append(f"--load {cfg.checkpoint.load}: no such directory")
+    elif cfg.checkpoint.load is not None and is_megatron_dir(cfg.checkpoint.load):
+        errors += megatron_load_rules(cfg)
     elif cfg.checkpoint.load is not None:
         errors += _checkpoint_rules(cfg.checkpoint.load)
     errors += _no_load_rng_rules(cfg)
@@ -674,6 +678,8 @@ def run(cfg: TrainConfig, stream=None) -> int:
     try:
         if own and latest_step(cfg.checkpoint.save) is not None:
             load = cfg.checkpoint.save
+        elif load and is_megatron_dir(load):  # weights only (--finetune, megatron_load_rules)
+            load = megatron_import(cfg, local_rank, world)
         if load:
             info = read_info(checkpoint_path(load))
             weights_only = info.get("optimizer") is None or not info.get("data")

@@ -233,6 +233,7 @@ def export_megatron(ckpt: str, spec_path: str, out: str, overrides: dict | None 
     OUT: iter_N/ (N its step) and latest_checkpointed_iteration.txt; weights only."""
     _fresh_output(out)
     spec, identity, params = model_params(spec_path, overrides)
+    bind(mapping_of(spec_path, spec)[0], params, spec.name, Loc(spec_path))  # a spec without one: said first
     path = resolve(ckpt, step)
     info = read_info(path)
     check_spec(path, info["spec"], identity, allow_spec_change)

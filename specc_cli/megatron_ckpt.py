@@ -1,0 +1,74 @@
+"""`specc megatron import MEGATRON_DIR --spec SPEC --out CKPT` and `specc megatron export CKPT --spec
+SPEC --out MEGATRON_DIR`: Megatron Core checkpoints (torch_dist, or the legacy torch format on
+import) <-> specc checkpoints, by the names the spec declares under megatron.checkpoint
+(docs/checkpoints.md#megatron-core-checkpoints). Weights only. The runtime is imported when a
+command runs."""
+
+from __future__ import annotations
+
+import argparse
+
+from .hf import _overrides, _user_error
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("megatron", help="import or export Megatron Core checkpoints (torch_dist; legacy torch on "
+                       "import) by the spec's megatron.checkpoint names",
+                       description="Convert between a Megatron Core save directory (latest_checkpointed_iteration.txt "
+                       "and iter_N/) and a specc checkpoint, weights only.")
+    m_sub = p.add_subparsers(dest="megatron_command", metavar="ACTION")
+    m_sub.required = True
+
+    c = m_sub.add_parser("import", help="MEGATRON_DIR -> a new specc checkpoint directory (step N: the iteration)")
+    c.add_argument("megatron_dir", metavar="MEGATRON_DIR",
+                   help="a Megatron save directory (its latest iteration) or one iter_N/ folder; torch_dist or the "
+                   "legacy mp_rank_*/model_optim_rng.pt, at any TP/PP")
+    _common(c)
+    c.add_argument("--iteration", type=int, default=None, metavar="N", help="import iter_N instead of the latest")
+    c.set_defaults(func=cmd_import)
+
+    c = m_sub.add_parser("export", help="a specc checkpoint -> a new Megatron Core torch_dist save directory")
+    c.add_argument("ckpt", metavar="CKPT", help="a save directory (its latest step) or one step_N directory")
+    _common(c)
+    c.add_argument("--step", type=int, default=None, metavar="N", help="export step N instead of the latest")
+    c.add_argument("--allow-spec-change", action="store_true",
+                   help="export a checkpoint saved from another spec text if names and shapes match")
+    c.set_defaults(func=cmd_export)
+
+
+def _common(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--spec", required=True, metavar="SPEC", help="the spec whose megatron.checkpoint names to use")
+    c.add_argument("--out", required=True, metavar="DIR", help="output directory (must be new or empty)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value of the spec (vocab_size: Megatron's padded one); repeatable")
+
+
+def cmd_import(args) -> int:
+    from runtime.checkpoint import CheckpointError
+    from specc_torch.hf import HFError
+    from specc_torch.megatron_ckpt import MegatronError, import_megatron
+
+    try:
+        done = import_megatron(args.megatron_dir, args.spec, args.out, _overrides(args), iteration=args.iteration)
+    except (MegatronError, HFError, CheckpointError) as e:
+        raise _user_error(e) from None
+    if done["optimizer"]:
+        print(f"note: {args.megatron_dir} also holds optimizer state, which is not converted (weights only)")
+    print(f"specc megatron import: {args.megatron_dir} ({done['format']}, {done['tensors']} tensors, "
+          f"{done['parameters']:,} parameters) -> {done['path']} (spec {done['spec']}, step {done['step']})")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from runtime.checkpoint import CheckpointError
+    from specc_torch.hf import HFError
+    from specc_torch.megatron_ckpt import MegatronError, export_megatron
+
+    try:
+        done = export_megatron(args.ckpt, args.spec, args.out, _overrides(args), step=args.step,
+                               allow_spec_change=args.allow_spec_change)
+    except (MegatronError, HFError, CheckpointError) as e:
+        raise _user_error(e) from None
+    print(f"specc megatron export: {args.ckpt} (step {done['step']}, spec {done['spec']}) -> {done['path']} "
+          f"(torch_dist, {done['tensors']} tensors, {done['parameters']:,} parameters; weights only)")
+    return 0

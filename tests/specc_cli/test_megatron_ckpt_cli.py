@@ -1,0 +1,73 @@
+"""`specc megatron import` then `specc megatron export` from the command line, on the checkpoints
+Megatron Core wrote (tests/fixtures/megatron): what each prints, and every user mistake is one
+line with exit code 2 and nothing written. The numbers are tests/specc_torch/test_megatron_ckpt.py's."""
+
+from __future__ import annotations
+
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "megatron", "llama")
+SPEC = os.path.join(ROOT, "specs", "llama-tiny.yaml")
+CONFIG = {"hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 48,
+          "vocab_size": 128, "seq_length": 8}  # make_fixture.MODEL's, vocab_size Megatron's padded
+SIZES = [arg for key, value in CONFIG.items() for arg in ("--set", f"{key}={value}")]
+
+
+def test_import_export_and_one_line_errors(specc, tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "megatron"
+    legacy = os.path.join(FIXTURE, "torch")
+    code, stdout, stderr = specc("megatron", "import", legacy, "--spec", SPEC, "--out", ckpt, *SIZES)
+    assert (code, stderr) == (0, ""), stderr
+    assert stdout == (f"specc megatron import: {legacy} (torch, 15 tensors, 23,712 parameters) -> "
+                      f"{ckpt}/step_0000007 (spec llama_tiny, step 7)\n")
+    code, stdout, stderr = specc("megatron", "export", ckpt, "--spec", SPEC, "--out", out, *SIZES)
+    assert (code, stderr) == (0, ""), stderr
+    assert stdout == (f"specc megatron export: {ckpt} (step 7, spec llama_tiny) -> {out}/iter_0000007 (torch_dist, "
+                      "15 tensors, 23,712 parameters; weights only)\n")
+    assert sorted(os.listdir(out)) == ["iter_0000007", "latest_checkpointed_iteration.txt"]
+
+    def error(*argv) -> str:
+        code, stdout, stderr = specc("megatron", *argv)
+        assert code == 2 and stdout == "" and stderr.count("\n") == 1, (code, stdout, stderr)
+        return stderr.strip()
+
+    fresh = tmp_path / "fresh"
+    # the tokenizer's vocabulary where Megatron saved the padded one
+    assert error("import", FIXTURE + "/torch_dist", "--spec", SPEC, "--out", fresh, *SIZES[:-4],
+                 "--set", "vocab_size=100", "--set", "seq_length=8").endswith("(Megatron pads the vocabulary to a multiple of "
+                                                     "--make-vocab-size-divisible-by x TP: --set vocab_size=128)")
+    assert error("import", tmp_path, "--spec", SPEC, "--out", fresh, *SIZES) == (
+        f"{tmp_path}: error: not a Megatron checkpoint (no latest_checkpointed_iteration.txt, no iter_*/ with its "
+        "files)")
+    assert error("import", FIXTURE + "/torch_dist", "--spec", SPEC, "--out", fresh, *SIZES,
+                 "--iteration", "9") == f"{FIXTURE}/torch_dist: error: no iter_0000009/ (iteration 9)"
+    assert error("export", ckpt, "--spec", SPEC, "--out", out, *SIZES) == (
+        f"{out}: error: already exists and is not empty (choose a new directory)")
+    gpt = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
+    assert "declares no Megatron checkpoint mapping" in error("export", ckpt, "--spec", gpt, "--out", fresh)
+    assert not fresh.exists()
+
+
+def test_train_starts_from_a_megatron_checkpoint_with_finetune(specc, tmp_path):
+    """`specc train --load MEGATRON_DIR --finetune` trains from its weights: with a learning rate
+    too small to move an fp32 weight (1e-30 against ulps of 1e-8), the checkpoint the run saves
+    holds Megatron's weights bit for bit. Without --finetune it is one line (weights only)."""
+    import torch
+
+    from runtime.checkpoint import read_tensors
+    from specc_torch.megatron_ckpt import read_weights
+
+    run = ["train", SPEC, *SIZES, "--mock-data", "--train-iters", "1", "--micro-batch-size", "2",
+           "--global-batch-size", "2", "--eval-iters", "0", "--log-interval", "1", "--no-progress", "--lr", "1e-30",
+           "--load", os.path.join(FIXTURE, "torch"), "--save", tmp_path / "save", "--run-dir", tmp_path / "run"]
+    code, stdout, stderr = specc(*run)
+    assert code == 2 and stderr.strip().endswith(
+        "a Megatron Core checkpoint (torch) loads its weights only, not its optimizer state, iteration or data "
+        "position: add --finetune (or convert it with specc megatron import)"), stderr
+    code, stdout, stderr = specc(*run, "--finetune")
+    assert code == 0, stderr
+    assert f"loaded model weights from {tmp_path}/run/megatron-import/step_0000007 (--finetune)" in stdout + stderr
+    saved = read_tensors(str(tmp_path / "save"))
+    megatron = read_weights(os.path.join(FIXTURE, "torch"), SPEC, CONFIG)["tensors"]
+    assert saved.keys() == megatron.keys() and all(torch.equal(saved[n], megatron[n]) for n in saved)
