@@ -27,6 +27,7 @@ from torch import nn
 from .context_parallel import COMM_TYPES, context_parallel_attention
 from .parallel_state import Group
 from .random import RNGTracker
+from .sharding import local_piece
 
 _BACKENDS = ("sdpa", "unfused", "flash", "te")
 
@@ -173,8 +174,6 @@ class CoreAttention(nn.Module):
 
     def _invariant_keep(self, probs: torch.Tensor, p: float) -> torch.Tensor:
         """TP-invariant debug mode: the mask over all heads, this rank's heads kept."""
-        from .layers import local_piece
-
         b, n, sq, sk = probs.shape
         full = self.rng_tracker.full_keep_mask((b, n * self.tp.size, sq, sk), p, probs.device)
         return local_piece(full, "S(h)", self.tp, dim_for_heads=1)

@@ -17,6 +17,7 @@ from .init import check_segment, segment_piece, tag_parameter
 from .mappings import gather_dim0
 from .parallel_state import Group
 from .random import RNGTracker
+from .sharding import local_piece
 from .rope import ROPE_SCALINGS, RotaryEmbedding, rope_inv_freq  # noqa: F401 (moved there; imported from here)
 
 __all__ = [
@@ -392,14 +393,6 @@ def full_shape(local_shape, layout: str, tp: Group) -> tuple:
     elif layout == "S(h)":
         shape[-1] *= tp.size
     return tuple(shape)
-
-
-def local_piece(full: torch.Tensor, layout: str, tp: Group, dim_for_heads: int | None = None) -> torch.Tensor:
-    """This rank's piece of a full tensor: rows for S(s), the last dim (or `dim_for_heads`) for S(h)."""
-    if tp.size == 1 or layout in ("I", "R", "P"):
-        return full
-    dim = 0 if layout == "S(s)" else (-1 if dim_for_heads is None else dim_for_heads)
-    return full.chunk(tp.size, dim=dim)[tp.rank]
 
 
 class Dropout(nn.Module):

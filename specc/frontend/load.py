@@ -11,6 +11,7 @@ from ..errors import Loc, SpecError, did_you_mean
 from ..ops import SPEC_OPS
 from .dataflow import check_identifier, parse_step
 from .expr import has_interpolation, interpolate, unknown_name
+from .megatron import check_megatron
 from .model import Leaf, ModelInput, ModuleDef, Ref, Settings, Spec
 from .yamlload import LDict, LList, LStr, load_yaml, read_text
 
@@ -157,9 +158,7 @@ class _Builder:
         desc = raw.get("description", "")
         if "hf" in raw:
             _check_hf(raw["hf"], raw.value_loc("hf"), self.value)
-        if "megatron" in raw:  # its form; the flags the command line owns: specc/commands/megatron_flags.py
-            from .megatron import check_megatron
-
+        if "megatron" in raw:  # its form; the flags the command line owns: specc_cli/megatron_flags.py
             check_megatron(raw["megatron"], raw.value_loc("megatron"), self.config_raw)
         return Spec(name, self.path, str(desc) if desc else "", config, modules, root, inputs, self.settings,
                     self.digest, raw.get("hf"))
