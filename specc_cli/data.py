@@ -53,7 +53,8 @@ def cmd_prepare(args) -> int:
             files = files[:args.max_files]
         tok = tokenizer_from_args(args)
         prepare(files, tok, args.output_prefix, token_dtype=args.token_dtype, json_key=args.json_key,
-                append_eod=args.append_eod, log=lambda m: print(m, file=sys.stderr))
+                append_eod=args.append_eod, log=lambda m: print(m, file=sys.stderr),
+                **({} if args.tokenize_time_limit is None else {"time_limit": args.tokenize_time_limit}))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -87,4 +88,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--json-keys", "--json-key", dest="json_key", default="text", metavar="KEY",
                    help="the text field of .jsonl records (default text)")
     p.add_argument("--max-files", type=int, default=None, metavar="N", help="read only the first N files (sorted)")
+    p.add_argument("--tokenize-time-limit", type=float, default=None, metavar="SECONDS",
+                   help="the tokenizer may take SECONDS plus 1 s per 10,000 characters read so far, else the run "
+                   "stops with the document and the tokenizer's patterns named: a split pattern that backtracks "
+                   "catastrophically never hangs (default 10: runtime.data.encode.DEFAULT_SECONDS)")
     p.set_defaults(func=cmd_prepare)

@@ -218,7 +218,7 @@ def test_json_lines_nested_too_deeply_or_with_huge_integers_are_one_line(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["big.jsonl", "deep.jsonl"]
 
 
-def test_a_tokenizer_pattern_that_backtracks_without_end_stops_in_bounded_time(tmp_path):
+def test_a_tokenizer_pattern_that_backtracks_without_end_stops_in_bounded_time(tmp_path, capsys):
     # A tokenizer.json whose Split pattern (a+)+$ backtracks exponentially: each run of 20 a's and
     # a b costs Oniguruma about 2^21 steps, so 300 of them took 33 s and each such line adds 0.1 s
     # without end (30 a's at once made it panic: a Rust backtrace). The tokenizing runs in a worker
@@ -269,6 +269,18 @@ def test_a_tokenizer_pattern_that_backtracks_without_end_stops_in_bounded_time(t
                           f"over): the split pattern '(a+)+$' of HuggingFaceTokenizer {tok.path} backtracks "
                           "catastrophically on it")
     assert sorted(os.listdir(tmp_path)) == before  # nothing written, no temporary left
+    # the command: the same line, exit 2; the limit is a positive number of seconds
+    from specc_cli.main import main
+
+    argv = ["data", "prepare", "--input", slow, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+            tok.path, "--output-prefix", out, "--tokenize-time-limit"]
+    assert main(argv + ["1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {slow}: tokenizing stopped at its time limit (") and len(err.splitlines()) == 1
+    assert "the split pattern '(a+)+$' of HuggingFaceTokenizer" in err
+    assert main(argv + ["0"]) == 2
+    assert capsys.readouterr().err == "error: --tokenize-time-limit must be a positive number of seconds, got 0.0\n"
+    assert sorted(os.listdir(tmp_path)) == before
     # the documents before, 600 lines in two batches to the worker, are the tokenizer's ids in order
     meta, _ = run([fine], time_limit=20)
     assert meta["num_documents"] == 600
