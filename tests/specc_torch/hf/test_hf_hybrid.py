@@ -6,8 +6,9 @@ the norm gains by about 0.3):
 - import, then specs/nemotron-h-tiny.yaml's logits and per-token loss equal transformers' to 1e-4 at
   TP 1, 2 and 4 with and without SP (one 4-rank gloo world; at TP 4 each rank holds 2 SSM heads of
   one group, the in-projection cut segment by segment), and export gives back every tensor bit for bit;
-- `specc verify` at TP 2 and 4 with and without SP and at PP 2 x TP 2 with SP (loss, every
-  activation, gradient and the weights after a step, the collectives the plan counts);
+- `specc verify` at TP 4 with and without SP and at PP 2 x TP 2 with SP (loss, every activation,
+  gradient and the weights after a step, the collectives the plan counts; TP 2 is TP 4's case
+  with two groups a rank, and PP 2's stages run at TP 2);
 - context parallelism and a TP size that splits a norm group are located errors;
 - a config.json the spec does not model is refused on import: the mixer op's knobs (groups and
   state size trading off at equal tensor shapes, the activation), the layer kinds in either
@@ -23,6 +24,7 @@ from hf_helpers import ROOT, hf_logits, hf_loss, specc_logits
 
 from runtime.parallel_state import ProcessGroups
 from specc.errors import SpecError
+from specc.settings import Settings
 from specc_torch.hf import export_hf, import_hf
 
 pytest.importorskip("transformers")
@@ -85,7 +87,7 @@ def test_nemotron_h_matches_transformers_at_tp_1_2_4_with_and_without_sp_and_exp
 
     sources = {}
     for tp, sp in SETTINGS:
-        text, spec, _ = compile_source(SPEC, tp, sp)
+        text, spec, _ = compile_source(SPEC, Settings(tp=tp, sp=sp))
         sources[tp, sp] = (text, spec.name)
     for rank, results in enumerate(gloo.run(4, _parity_on_ranks, ckpt, sources)):
         assert sorted(results) == sorted(SETTINGS)
@@ -98,11 +100,11 @@ def test_nemotron_h_matches_transformers_at_tp_1_2_4_with_and_without_sp_and_exp
 def test_nemotron_h_verifies_at_tp_x_sp_and_pp2():
     from specc_torch.verify import VerifyConfig, verify
 
-    cfg = VerifyConfig(spec=SPEC, tps=[2, 4], sps=[False, True], steps=1, batch=4, pp_settings=[(2, None, 2, 1, True)])
+    cfg = VerifyConfig(spec=SPEC, tps=[4], sps=[False, True], steps=1, batch=4, pp_settings=[(2, None, 2, 1, True)])
     rows = verify(cfg)
     bad = [f"{r.setting}: {r.quantity}: {r.detail}" for r in rows if not r.ok]
     assert not bad, bad
-    assert {"tp=2 sp=off", "tp=2 sp=on", "tp=4 sp=off", "tp=4 sp=on", "pp=2 tp=2 sp=on"} <= {r.setting for r in rows}
+    assert {"tp=4 sp=off", "tp=4 sp=on", "pp=2 tp=2 sp=on"} <= {r.setting for r in rows}
 
 
 @pytest.mark.parametrize("settings, where, message", [
@@ -114,7 +116,7 @@ def test_context_parallelism_and_a_tp_size_splitting_a_norm_group_are_located_er
     from specc_torch.api import compile_source
 
     with pytest.raises(SpecError) as e:
-        compile_source(SPEC, settings.pop("tp"), **settings)
+        compile_source(SPEC, Settings(**settings))
     assert where in str(e.value) and message in str(e.value), str(e.value)
 
 
