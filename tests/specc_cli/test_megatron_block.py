@@ -64,7 +64,7 @@ def test_flags_the_spec_does_not_declare(capsys):
     assert "specs/gpt.yaml" in err.split("(hint: ")[1] and "llama" not in err.split("(hint: ")[1]
     err = _one_line(capsys, ["plan", GPT_TINY, "--position-embedding-type", "alibi"])
     assert err.endswith("(hint: no shipped spec has --position-embedding-type alibi; they have "
-                        "--position-embedding-type learned_absolute, rope)")
+                        "--position-embedding-type learned_absolute, none, rope)")
     err = _one_line(capsys, ["plan", GPT_TINY, "--init-method-std"])
     assert err == "error: argument --init-method-std: expected one argument (hint: see specc plan --help)"
     assert _one_line(capsys, ["plan", GPT_TINY, "--no-such-flag"]).startswith("error: unrecognized arguments: ")
@@ -75,15 +75,16 @@ def test_the_hint_comes_from_the_shipped_specs(capsys, tmp_path, monkeypatch):
 
     (tmp_path / "base.yaml").write_text(open(GPT_TINY.replace("gpt-tiny", "gpt")).read())
     (tmp_path / "relu2.yaml").write_text("name: relu2\nextends: base.yaml\nmegatron:\n  structure:\n"
-                                         "    --squared-relu: true\n  flags:\n    --ffn-dim: ffn_hidden_size\n")
-    err = _one_line(capsys, ["plan", GPT_TINY, "--squared-relu"])
+                                         "    --apply-residual-connection-post-layernorm: true\n"
+                                         "  flags:\n    --ffn-dim: ffn_hidden_size\n")
+    err = _one_line(capsys, ["plan", GPT_TINY, "--apply-residual-connection-post-layernorm"])
     assert err.endswith("(hint: no shipped spec has that structure: write it in a spec (docs/spec-language.md))")
     monkeypatch.setattr(megatron_specs, "SHIPPED_SPECS", str(tmp_path))
-    err = _one_line(capsys, ["plan", GPT_TINY, "--squared-relu"])
+    err = _one_line(capsys, ["plan", GPT_TINY, "--apply-residual-connection-post-layernorm"])
     assert err.endswith("(hint: specs/relu2.yaml has it: specc plan specs/relu2.yaml)")
     for i in range(5):
         (tmp_path / f"relu2-{i}.yaml").write_text(f"name: r{i}\nextends: relu2.yaml\n")
-    err = _one_line(capsys, ["plan", GPT_TINY, "--squared-relu"])
+    err = _one_line(capsys, ["plan", GPT_TINY, "--apply-residual-connection-post-layernorm"])
     # the spec they extend first (name order would put relu2-0 before relu2), then the extensions
     assert err.endswith("(hint: specs/relu2.yaml, specs/relu2-0.yaml, specs/relu2-1.yaml, specs/relu2-2.yaml and "
                         "2 more have it: specc plan specs/relu2.yaml)")
