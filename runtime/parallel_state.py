@@ -13,6 +13,7 @@ dp / ep), over which the expert parameters' gradients are reduced.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +81,7 @@ class ProcessGroups:
 
     @classmethod
     def initialize(cls, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, ep: int = 1,
-                   transport: str = "auto") -> ProcessGroups:
+                   transport: str = "auto", timeout_minutes: float | None = None) -> ProcessGroups:
         """Build every group of the (tp, cp, dp, pp) grid; collective over the world.
 
         Every rank calls dist.new_group for every group (of size > 1) in the same
@@ -88,6 +89,8 @@ class ProcessGroups:
         Size-1 axes get no process group: their collectives are no-ops.
         `transport` ("auto", "shm", "torch") says which groups move CPU tensors through
         shared memory instead of torch.distributed (runtime/shared_memory.py).
+        `timeout_minutes`: how long a collective of these groups waits for its peers (Megatron's
+        --distributed-timeout-minutes; None: torch's default, 30 minutes).
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -95,6 +98,7 @@ class ProcessGroups:
                 "(call torch.distributed.init_process_group first), or use ProcessGroups.single()"
             )
         world, rank = dist.get_world_size(), dist.get_rank()
+        timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes is not None else None
         sizes = _axis_sizes(world, tp=tp, cp=cp, pp=pp, dp=dp)
         coords = _coords(rank, sizes)
         if not isinstance(ep, int) or ep < 1 or sizes["dp"] % ep:
@@ -104,7 +108,7 @@ class ProcessGroups:
         created = []
         for axis in _AXES:
             for ranks in _axis_rank_lists(axis, sizes):
-                handle = dist.new_group(list(ranks)) if sizes[axis] > 1 else None
+                handle = dist.new_group(list(ranks), timeout=timeout) if sizes[axis] > 1 else None
                 if handle is not None:
                     created.append(handle)
                 if rank in ranks:
@@ -115,7 +119,7 @@ class ProcessGroups:
             for dp_ranks in _expert_dp_rank_lists(sizes["dp"], ep, name):
                 for ranks in _axis_rank_lists("dp", sizes):
                     ranks = tuple(ranks[d] for d in dp_ranks)
-                    handle = dist.new_group(list(ranks)) if size > 1 else None
+                    handle = dist.new_group(list(ranks), timeout=timeout) if size > 1 else None
                     if handle is not None:
                         created.append(handle)
                     if rank in ranks:
@@ -123,12 +127,13 @@ class ProcessGroups:
         if sizes["pp"] > 1:
             for ranks in _axis_rank_lists("pp", sizes):
                 ends = (ranks[0], ranks[-1])
-                handle = dist.new_group(list(ends))
+                handle = dist.new_group(list(ends), timeout=timeout)
                 created.append(handle)
                 if rank in ends:
                     groups["embd"] = Group(size=2, rank=ends.index(rank), group=handle, ranks=ends, name="embd")
         try:
-            groups, reasons = open_transports(groups, transport)
+            groups, reasons = open_transports(groups, transport, **({"timeout_s": 60.0 * timeout_minutes}
+                                                                    if timeout_minutes is not None else {}))
         except BaseException:  # the groups made above would otherwise outlive the error
             for handle in created:
                 dist.destroy_process_group(handle)

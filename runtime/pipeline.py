@@ -109,6 +109,7 @@ class Pipeline:
         if pg.pp.size < 2:
             raise ValueError("a Pipeline needs a pipeline-parallel group of 2 or more ranks")
         self.model, self.pg, self.n = model, pg, n_microbatches
+        self._build = dict(schedule=schedule, device=device, rng_tracker=rng_tracker)  # with_micro_batches
         self.input_names = tuple(input_names)
         rows = stages_of(model)
         self.schedule_name = schedule or default_schedule(model)
@@ -123,13 +124,19 @@ class Pipeline:
                                    group=pg.pp.group, **extra) for row in rows]
         self.has_last = any(row["post_process"] for row in rows)
         self.loss_scale = 1.0  # fp16: the scale of the step being run (step(loss_scale=...))
+        self.weighted = False  # step(weights=...): the target is each token's weight
+        self._masked: list = []  # per micro-batch: the sum of its per-token losses where the weight is not 0
         n = n_microbatches
 
-        def loss_fn(per_token_loss, target):  # the mean over a micro-batch's tokens, 1/m of the step
-            del target
+        def loss_fn(per_token_loss, target):
             # backward starts from the scaled loss, as the PP = 1 loop's (loss * scale / n).backward():
             # the optimizer divides the gradients by the same scale
-            return per_token_loss.float().mean() * (self.loss_scale / n)
+            loss = per_token_loss.float()
+            if not self.weighted:  # the mean over a micro-batch's tokens, 1/m of the step
+                self._masked.append(loss.detach().double().sum())
+                return loss.mean() * (self.loss_scale / n)
+            self._masked.append((loss.detach() * (target != 0)).double().sum())
+            return (loss * target).sum() * self.loss_scale
 
         multi = len(rows) > 1
         if self.schedule_name in ("1f1b", "gpipe") and multi:
@@ -164,17 +171,26 @@ class Pipeline:
         self._metered.add(stage)
         return self._meter
 
+    def with_micro_batches(self, n: int) -> "Pipeline":
+        """The same model's schedule for n micro-batches (a batch-size ramp-up)."""
+        return Pipeline(self.model, self.pg, n, self.input_names, **self._build)
+
     def step(self, micro_batches: list, *, train: bool = True, loss_scale: float = 1.0,
-             saved_meter=None) -> torch.Tensor:
+             saved_meter=None, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Forward (and with `train`, backward) of the micro-batches; the mean loss, a 1-element
         fp32 tensor on every pipeline rank. Gradients accumulate, multiplied by `loss_scale`
         (fp16's: the optimizer unscales); finalize them afterwards. The loss returned is unscaled.
-        saved_meter (a context, runtime.train.throughput.SavedActivations) measures what one
-        micro-batch's forward keeps for backward on each of this rank's stages."""
+        weights [n*b, s] (the micro-batches' concatenated): each token's weight in the loss
+        instead of the mean (runtime.train.training.loss_weights), and the sum of the weighted
+        losses is returned. Either way `masked_sum` holds the sum of the per-token losses whose
+        weight is not 0 (1-element fp64, on every pipeline rank). saved_meter (a context,
+        runtime.train.throughput.SavedActivations) measures what one micro-batch's forward keeps
+        for backward on each of this rank's stages."""
         kwargs = self._kwargs(micro_batches)
-        target = kwargs[self.input_names[-1]]
+        target = kwargs[self.input_names[-1]] if weights is None else weights
         losses: list = []
         self.loss_scale = float(loss_scale)
+        self.weighted, self._masked = weights is not None, []
         self._meter, self._metered = saved_meter, set()
         try:
             if train:
@@ -183,12 +199,14 @@ class Pipeline:
                 self.schedule.eval(target=target, losses=losses, **kwargs)
         finally:
             self.loss_scale, self._meter = 1.0, None
-        total = torch.zeros(1, dtype=torch.float32)
+        total = torch.zeros(2, dtype=torch.float64)
         if self.has_last:
             # in float64, so that dividing by the scale (a power of two) gives back the loss exactly
-            total += (torch.stack([x.detach().double() for x in losses]).sum() / loss_scale).float().reshape(1).cpu()
+            total[0] += (torch.stack([x.detach().double() for x in losses]).sum() / loss_scale).cpu()
+            total[1] += torch.stack(self._masked).sum().cpu()
         comm.all_reduce(total, self.pg.pp)  # only the last stage holds the loss: the others add zero
-        return total
+        self.masked_sum = total[1:].clone()
+        return total[:1].float()
 
     def outputs(self, micro_batches: list) -> torch.Tensor | None:
         """Forward only; the last stage's per-token loss of the whole batch (None elsewhere)."""

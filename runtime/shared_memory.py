@@ -302,7 +302,8 @@ def _process_identity(pid: int) -> tuple[int, int] | None:
 TRANSPORTS = ("auto", "shm", "torch")
 
 
-def open_transports(groups: dict, mode: str, slot_bytes: int = SLOT_BYTES) -> tuple[dict, dict[str, str]]:
+def open_transports(groups: dict, mode: str, slot_bytes: int = SLOT_BYTES,
+                    timeout_s: float = 1800.0) -> tuple[dict, dict[str, str]]:
     """Give each group of size > 1 whose ranks share this host a transport: `groups` with
     Group.transport set, and for each group left on torch.distributed, why (one line).
 
@@ -360,7 +361,7 @@ def open_transports(groups: dict, mode: str, slot_bytes: int = SLOT_BYTES) -> tu
     if error is None:
         try:
             for name, g in chosen.items():
-                transports[name] = SharedMemoryTransport(paths[name], g.size, g.rank, name, slot_bytes)
+                transports[name] = SharedMemoryTransport(paths[name], g.size, g.rank, name, slot_bytes, timeout_s)
         except (OSError, RuntimeError) as e:
             error = f"mapping the segment of group {name!r}: {e}"
         error = _agree(error)  # also: every member has mapped it, so the names can go

@@ -15,9 +15,8 @@ from .data import add_tokenizer_arguments
 
 _FUSION = "a CUDA kernel fusion switch: the ops compute the same values unfused"
 _FP8 = "FP8 training (TransformerEngine's scaled FP8 GEMMs) is not implemented: train in --bf16"
-_RAMPUP = "batch-size ramp-up is not implemented: every iteration uses --global-batch-size"
-_DECOUPLED = ("a separate learning rate for the embedding and output layer is not implemented: every parameter "
-              "follows --lr and --min-lr")
+_STEP_SCHEDULE = ("Megatron's step-wise batch-size schedule is not implemented: the global batch is "
+                  "--global-batch-size, or grows by --rampup-batch-size START INCREMENT SAMPLES")
 
 # Megatron's training flags that are neither a setting here nor the spec's (specc_cli/megatron_flags.py):
 # (flag, number of values, fate, why). "no effect": accepted, and the run's log says once why it
@@ -61,13 +60,9 @@ MEGATRON_FLAG_FATES = (
      "or py-spy around the run"),
     ("--profile-step-start", 1, "no effect", "goes with --profile (the nsys capture range), not marked here"),
     ("--profile-step-end", 1, "no effect", "goes with --profile (the nsys capture range), not marked here"),
-    ("--calculate-per-token-loss", 0, "no effect", "no token is masked from the loss here, so every micro-batch "
-     "has the same number of loss tokens and the mean over all tokens of the global batch is the mean of the "
-     "micro-batch means that specc takes"),
-    ("--rampup-batch-size", 3, "refused", _RAMPUP),
-    ("--step-batch-size-schedule", 1, "refused", _RAMPUP),
-    ("--decoupled-lr", 1, "refused", _DECOUPLED),
-    ("--decoupled-min-lr", 1, "refused", _DECOUPLED),
+    ("--tensorboard-queue-size", 1, "no effect", "how many events the TensorBoard writer holds before it writes "
+     "them: the same event files"),
+    ("--step-batch-size-schedule", 1, "refused", _STEP_SCHEDULE),
     ("--grad-reduce-in-bf16", 0, "refused", "gradients are accumulated and reduced in fp32 here (the fp32 "
      "main_grad buffer); reducing them in bf16 is not implemented"),
     ("--fp8-format", 1, "refused", _FP8),
@@ -77,8 +72,6 @@ MEGATRON_FLAG_FATES = (
     ("--ckpt-format", 1, "refused", "a run saves specc's own layout, which resumes with its optimizer state "
      "(docs/checkpoints.md); `specc megatron export` converts a checkpoint to torch_dist for Megatron, and --load "
      "--finetune reads Megatron's torch_dist and legacy torch checkpoints (weights only)"),
-    ("--distributed-timeout-minutes", 1, "refused", "the collectives' timeout is torch's default here (30 "
-     "minutes); setting it is not implemented"),
 )
 
 LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
@@ -154,6 +147,14 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--exit-duration-in-mins", type=float, default=None, metavar="MINUTES",
                    help="stop after the first iteration that ends more than MINUTES after training started "
                    "(saving a checkpoint with --save)")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="with --train-samples: the global batch starts at START and grows by INCREMENT up to "
+                   "--global-batch-size over the first SAMPLES samples (Megatron's ramp-up)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss of a step is summed over the global batch's loss tokens and divided by their "
+                   "number (all micro-batches, all DP ranks), not the mean of the micro-batches' means")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=None, metavar="MINUTES",
+                   help="the process groups' timeout for a collective (default torch's: 30)")
     g.add_argument("--eval-interval", type=int, default=1000, metavar="N")
     g.add_argument("--eval-iters", type=int, default=10, metavar="N", help="global batches per evaluation (0: none)")
     g.add_argument("--log-interval", type=int, default=100, metavar="N")
@@ -199,6 +200,10 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None, metavar="N",
                    help="WSD: the final decay's length, ending at the decay iterations")
     g.add_argument("--lr-wsd-decay-samples", type=int, default=None, metavar="N", help="WSD with --train-samples")
+    g.add_argument("--decoupled-lr", type=float, default=None, metavar="LR",
+                   help="the word embedding's and the output layer's weights: their own peak lr, same schedule")
+    g.add_argument("--decoupled-min-lr", type=float, default=None, metavar="LR",
+                   help="their own min lr, with --decoupled-lr (default --min-lr)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -216,6 +221,9 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
         g.add_argument(f"--{split}-data-path", nargs="+", default=None, metavar="PREFIX",
                        help=f"the {split} split's own dataset or blend, read whole (instead of --data-path and --split)")
     g.add_argument("--mock-data", action="store_true", help="seeded random tokens instead of a dataset (no files)")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss where the input token is the end-of-document token (the tokenizer's, or the one "
+                   "`specc data prepare` recorded)")
 
     g = p.add_argument_group("tokenizer (sizes the model's vocabulary; the data is already tokenized)")
     add_tokenizer_arguments(g)
@@ -246,6 +254,15 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    help="accepted for Megatron's scripts: the log line always shows the throughput")
     g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
                    help="TensorBoard event files (default RUN_DIR/tensorboard)")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1, metavar="N",
+                   help="write the TensorBoard scalars every N iterations (default 1)")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="also iteration-time (and with --log-throughput, throughput: TFLOP/s per GPU)")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
+                   dest="log_loss_scale_to_tensorboard", action="store_false", help="leave out loss-scale")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="also 'lm loss validation ppl'")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true", help="also world-size")
     g.add_argument("--wandb-project", default=None, metavar="NAME",
                    help="also log to Weights & Biases in this project (needs the wandb package)")
     g.add_argument("--wandb-exp-name", default=None, metavar="NAME", help="the W&B run's name")

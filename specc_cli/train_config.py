@@ -36,7 +36,8 @@ def config_from_args(args) -> TrainConfig:
                                   clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
                                   bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                                   optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
-                                  overlap_param_gather=args.overlap_param_gather),
+                                  overlap_param_gather=args.overlap_param_gather,
+                                  decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr),
         schedule=ScheduleConfig(lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
                                 lr_decay_iters=args.lr_decay_iters, lr_warmup_fraction=args.lr_warmup_fraction,
                                 lr_wsd_decay_style=args.lr_wsd_decay_style, lr_wsd_decay_iters=args.lr_wsd_decay_iters,
@@ -51,10 +52,18 @@ def config_from_args(args) -> TrainConfig:
                               log_interval=args.log_interval, progress=args.progress,
                               log_throughput=args.log_throughput,
                               tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project,
+                              tensorboard_log_interval=args.tensorboard_log_interval,
+                              log_timers_to_tensorboard=args.log_timers_to_tensorboard,
+                              log_loss_scale_to_tensorboard=args.log_loss_scale_to_tensorboard,
+                              log_validation_ppl_to_tensorboard=args.log_validation_ppl_to_tensorboard,
+                              log_world_size_to_tensorboard=args.log_world_size_to_tensorboard,
                               wandb_exp_name=args.wandb_exp_name, peak_tflops=args.peak_tflops),
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters if args.train_iters is not None or args.train_samples is not None else 100,
         train_samples=args.train_samples, exit_interval=args.exit_interval,
+        rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
         exit_duration_in_mins=args.exit_duration_in_mins,
         fp16=args.fp16, loss_scale=LossScaleConfig(loss_scale=args.loss_scale,
                                                    initial_loss_scale=args.initial_loss_scale,
@@ -78,7 +87,8 @@ def data_config_from_args(args) -> DataConfig:
                       merge_file=args.merge_file, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
                       tiktoken_pattern=args.tiktoken_pattern,
                       tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                      eod_mask_loss=args.eod_mask_loss)
 
 
 def launch_from_args(args) -> Launch:

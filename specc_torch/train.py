@@ -131,6 +131,7 @@ def check(cfg: TrainConfig, world_size: int):
     if not os.path.isfile(cfg.spec):
         raise ConfigError([f"{cfg.spec}: no such spec file"])
     errors = tokenizer_rules(cfg)
+    errors += eod_rules(cfg)
     if errors:
         raise ConfigError(errors)
     _, spec = compile_model(cfg)
@@ -352,10 +353,40 @@ def tokenizer_rules(cfg: TrainConfig) -> list:
                           tiktoken_num_special_tokens=data.tiktoken_num_special_tokens)
     data.padded_vocab_size = vocab_size_with_padding(tok.vocab_size, data.make_vocab_size_divisible_by,
                                                      cfg.parallel.tp)
+    data.eod = tok.eod  # --eod-mask-loss's token (eod_rules)
     given = cfg.overrides.get("vocab_size")
     if isinstance(given, int) and given < tok.vocab_size:
         return [f"--set vocab_size={given} is smaller than the {data.tokenizer_type} vocabulary ({tok.vocab_size}); "
                 f"drop it to use the padded {data.padded_vocab_size}"]
+    return []
+
+
+def eod_rules(cfg: TrainConfig) -> list:
+    """--eod-mask-loss masks Megatron's tokenizer.eod: the --tokenizer-type's end-of-document
+    token (tokenizer_rules records it), else the one `specc data prepare` recorded beside the
+    data (every dataset of the run the same)."""
+    data = cfg.data
+    if not data.eod_mask_loss:
+        return []
+    if data.tokenizer_type is not None:
+        return [] if data.eod is not None else [
+            f"--eod-mask-loss: the {data.tokenizer_type} tokenizer has no end-of-document token"]
+    paths = [data.data_path] if data.data_path is not None else [data.train_data_path, data.valid_data_path,
+                                                                  data.test_data_path]
+    prefixes = [prefix for path in paths if path is not None for _, prefix in parse_blend(path)]
+    if data.mock_data or not prefixes:
+        return [f"--eod-mask-loss needs the end-of-document token's id: give --tokenizer-type ("
+                f"{'mock data has no tokenizer' if data.mock_data else 'the default data is byte-tokenized, without one'})"]
+    found = {}
+    for prefix in prefixes:
+        meta = read_sidecar(prefix[:-4] if prefix.endswith((".bin", ".idx")) else prefix) or {}
+        found[prefix] = (meta.get("tokenizer") or {}).get("eod")
+    ids = set(found.values())
+    if None in ids or len(ids) > 1:
+        which = ", ".join(f"{p}: {found[p] if found[p] is not None else 'none recorded'}" for p in found)
+        return [f"--eod-mask-loss needs the end-of-document token's id: give --tokenizer-type (the data's "
+                f"tokenizers recorded by specc data prepare: {which})"]
+    data.eod = ids.pop()
     return []
 
 
@@ -655,7 +686,7 @@ def run(cfg: TrainConfig, stream=None) -> int:
         host_memory = retain_freed_memory()
     initialized_here = False
     if world > 1 and not dist.is_initialized():
-        init_process_group("nccl" if device.type == "cuda" else "gloo")
+        init_process_group("nccl" if device.type == "cuda" else "gloo", cfg.distributed_timeout_minutes)
         initialized_here = True
     # --save is this run's alone: rank 0 holds its lock until the run ends (claim_save_dir)
     lock, error, own = claim_save_dir(cfg, rank, world, restart)
@@ -690,7 +721,8 @@ def run(cfg: TrainConfig, stream=None) -> int:
         return stop(e)
     try:
         pg = ProcessGroups.initialize(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp, ep=cfg.parallel.ep,
-                                      transport=cfg.parallel.transport) \
+                                      transport=cfg.parallel.transport,
+                                      timeout_minutes=cfg.distributed_timeout_minutes) \
             if world > 1 \
             else ProcessGroups.single()
     except TransportError as e:  # --collective-transport shm where it cannot be used
@@ -726,7 +758,8 @@ def run(cfg: TrainConfig, stream=None) -> int:
             log = cfg.logging
             reporter = Reporter(log.run_dir, cfg.train_iters, log.log_interval, progress=log.progress, stream=stream,
                                 append=append, tensorboard_dir=log.tensorboard_dir, peak=peak,
-                                wandb_project=log.wandb_project, wandb_exp_name=log.wandb_exp_name)
+                                wandb_project=log.wandb_project, wandb_exp_name=log.wandb_exp_name,
+                                tensorboard=log, world_size=world)
         flops_per_iteration = rank_flops(plan.totals, pg.pp.rank) * cfg.num_micro_batches
         stages = f", pipeline rank {pg.pp.rank}'s stages" if pg.pp.size > 1 else ""
         reporter.info(f"peak {peak.tflops:.3f} TFLOP/s per rank, {peak.source}; a step's FLOPs per rank "
@@ -791,7 +824,7 @@ def run(cfg: TrainConfig, stream=None) -> int:
                 return fail(CheckpointError(f"{out['path']}: its scheduler state is at iteration {scheduled}, but "
                                             f"the checkpoint is step {state.iteration} (an edited checkpoint.json?)"))
         if append:  # the iterations after the one resumed from are recorded again: drop their old lines
-            reporter.resume(state.iteration)
+            reporter.resume(state.iteration, state.consumed_samples)
 
         def save(st):
             setup.ddp.finish_param_sync()  # --overlap-param-gather: the gathered parameters are saved
@@ -827,21 +860,25 @@ def run(cfg: TrainConfig, stream=None) -> int:
             lock.release()
 
 
-def init_process_group(backend: str) -> None:
+def init_process_group(backend: str, timeout_minutes: float | None = None) -> None:
     """torch.distributed's env:// initialization (torchrun's MASTER_ADDR/PORT, RANK, WORLD_SIZE),
     with the store keys of each elastic attempt under their own prefix. torchrun keeps one store
     for all attempts (the agent's); without the prefix, the ranks of a restart would read the gloo
-    addresses that the dead ranks of the attempt before published, and fail to connect."""
+    addresses that the dead ranks of the attempt before published, and fail to connect.
+    timeout_minutes: Megatron's --distributed-timeout-minutes (None: torch's default, 30)."""
+    import datetime
+
     import torch.distributed as dist
     from torch.distributed.constants import default_pg_timeout
 
+    timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes is not None else default_pg_timeout
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:  # not under torchrun: nothing is restarted
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **({"timeout": timeout} if timeout_minutes is not None else {}))
         return
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=default_pg_timeout))
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     dist.init_process_group(backend, store=dist.PrefixStore(f"specc/attempt_{attempt}", store), rank=rank,
-                            world_size=world_size, timeout=default_pg_timeout)
+                            world_size=world_size, timeout=timeout)
 
 
 KILL_AT_ITER = "SPECC_TEST_KILL_AT_ITER"

@@ -42,6 +42,7 @@ class _Segment:
     decay: bool  # weight decay applies (matrices; not biases or norm weights)
     in_norm: bool  # counted in the global grad norm on this rank
     expert: bool = False  # an expert weight: other expert-parallel ranks hold other experts
+    decoupled: bool = False  # follows the decoupled lr (Megatron's --decoupled-lr: embedding, output layer)
 
 
 def _norm_pieces(p, meta, start: int, stop: int) -> list:
@@ -89,7 +90,7 @@ class FlatOptimizer:
 
     def __init__(self, ddp: DistributedDataParallel, pg: ProcessGroups, *, distributed: bool = False,
                  weight_decay: float = 0.01, clip_grad: float = 0.0, grad_scaler=None,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, decoupled=()):
         expected = "reduce_scatter" if distributed else "all_reduce"
         if ddp.grad_reduce != expected:
             raise ValueError(f"a {'distributed' if distributed else 'replicated'} optimizer needs "
@@ -101,6 +102,7 @@ class FlatOptimizer:
         self.grad_scaler = grad_scaler
         self.overlap_param_gather = overlap_param_gather
         self.step_count = 0
+        self._decoupled = {id(p) for p in decoupled}  # parameters stepped with step()'s decoupled_lr
         self.separate_master = ddp.param_dtype != torch.float32
         self.ranges = [_Range(ddp, lo, hi, self._segments(lo, hi), self.separate_master, self.STATE)
                        for lo, hi in ddp.grad_shard_ranges()]
@@ -119,7 +121,8 @@ class FlatOptimizer:
             in_norm = (sharded or tp_rank0) and not is_tied_copy(p)
             for x, y, counted in _norm_pieces(p, meta, a - p_lo, b - p_lo):
                 out.append(_Segment(offset=p_lo + x - lo, length=y - x, decay=p.dim() > 1,
-                                    in_norm=in_norm and counted, expert=is_expert_param(p)))
+                                    in_norm=in_norm and counted, expert=is_expert_param(p),
+                                    decoupled=id(p) in self._decoupled))
         return out
 
     # -- memory ----------------------------------------------------------------------------------------
@@ -170,8 +173,9 @@ class FlatOptimizer:
         return bool(flag.item())
 
     @torch.no_grad()
-    def step(self, lr: float) -> tuple[float, bool]:
-        """Unscale (fp16), clip, update, and (distributed) all-gather the parameters. Returns
+    def step(self, lr: float, decoupled_lr: float | None = None) -> tuple[float, bool]:
+        """Unscale (fp16), clip, update, and (distributed) all-gather the parameters; the
+        parameters given as `decoupled` step with decoupled_lr (None: lr). Returns
         (grad norm before clipping, whether the update was applied: an inf/nan gradient under
         loss scaling, or a non-finite norm, skips the step)."""
         self.ddp.finish_param_sync()  # a gather still pending (a parameter no forward used)
@@ -192,15 +196,17 @@ class FlatOptimizer:
                 for r in self.ranges:
                     r.grad.mul_(coeff)
         self.step_count += 1
+        lrs = {False: lr, True: lr if decoupled_lr is None else decoupled_lr}
         for r in self.ranges:
-            self._update(r, lr)
+            self._update(r, lrs)
             if self.separate_master:
                 r.param.copy_(r.master)
         if self.distributed:
             self._all_gather_params()
         return norm, True
 
-    def _update(self, r: _Range, lr: float) -> None:
+    def _update(self, r: _Range, lrs: dict) -> None:
+        """lrs: {decoupled: lr} for the range's segments."""
         raise NotImplementedError
 
     def _all_gather_params(self) -> None:
@@ -247,18 +253,20 @@ class Adam(FlatOptimizer):
 
     def __init__(self, ddp: DistributedDataParallel, pg: ProcessGroups, *, distributed: bool = False,
                  weight_decay: float = 0.01, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-                 clip_grad: float = 0.0, grad_scaler=None, overlap_param_gather: bool = False):
+                 clip_grad: float = 0.0, grad_scaler=None, overlap_param_gather: bool = False, decoupled=()):
         super().__init__(ddp, pg, distributed=distributed, weight_decay=weight_decay, clip_grad=clip_grad,
-                         grad_scaler=grad_scaler, overlap_param_gather=overlap_param_gather)
+                         grad_scaler=grad_scaler, overlap_param_gather=overlap_param_gather, decoupled=decoupled)
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
 
-    def _update(self, r: _Range, lr: float) -> None:
+    def _update(self, r: _Range, lrs: dict) -> None:
         # torch's fused AdamW kernel (one pass over the moments and weights; the op-by-op update
         # reads and writes each of them several times and is several times slower on the CPU),
-        # called on views of the flat ranges: one list with weight decay (matrices), one without.
+        # called on views of the flat ranges: one list per (weight decay (matrices) or not, lr).
         # The kernel counts the step itself from `state_steps`.
-        for decay in (True, False):
-            views = [(s.offset, s.offset + s.length) for s in r.segments if s.decay == decay]
+        for decay, decoupled in ((True, False), (False, False), (True, True), (False, True)):
+            lr = lrs[decoupled]
+            views = [(s.offset, s.offset + s.length) for s in r.segments
+                     if s.decay == decay and s.decoupled == decoupled]
             if not views:
                 continue
             lists = [[t[a:b] for a, b in views] for t in (r.master, r.grad, r.exp_avg, r.exp_avg_sq)]
@@ -276,12 +284,12 @@ class SGD(FlatOptimizer):
 
     def __init__(self, ddp: DistributedDataParallel, pg: ProcessGroups, *, distributed: bool = False,
                  weight_decay: float = 0.01, momentum: float = 0.9, clip_grad: float = 0.0, grad_scaler=None,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, decoupled=()):
         super().__init__(ddp, pg, distributed=distributed, weight_decay=weight_decay, clip_grad=clip_grad,
-                         grad_scaler=grad_scaler, overlap_param_gather=overlap_param_gather)
+                         grad_scaler=grad_scaler, overlap_param_gather=overlap_param_gather, decoupled=decoupled)
         self.momentum = momentum
 
-    def _update(self, r: _Range, lr: float) -> None:
+    def _update(self, r: _Range, lrs: dict) -> None:
         g = r.grad
         if self.weight_decay > 0:
             g = g.clone()
@@ -296,4 +304,9 @@ class SGD(FlatOptimizer):
             else:
                 buf.mul_(self.momentum).add_(g)
             g = buf
-        r.master.add_(g, alpha=-lr)
+        if lrs[True] == lrs[False]:
+            r.master.add_(g, alpha=-lrs[False])
+            return
+        for s in r.segments:
+            piece = slice(s.offset, s.offset + s.length)
+            r.master[piece].add_(g[piece], alpha=-lrs[s.decoupled])

@@ -52,6 +52,10 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
     bucket_size: int = 4_000_000  # elements per data-parallel gradient bucket
     overlap_grad_reduce: bool = True
+    # Megatron's --decoupled-lr/--decoupled-min-lr: the word embedding's and the output layer's
+    # weights follow the same schedule between these instead of lr and min_lr (None: lr, min_lr)
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
 
 
 @dataclass
@@ -89,6 +93,8 @@ class DataConfig:
     tiktoken_num_special_tokens: int = 1000
     make_vocab_size_divisible_by: int = 128  # the model's vocabulary: the tokenizer's padded to a multiple of this x TP
     padded_vocab_size: int | None = None  # derived from the tokenizer by the launcher's checks
+    eod_mask_loss: bool = False  # Megatron's: no loss where the input token is the end-of-document token
+    eod: int | None = None  # that token's id: the tokenizer's, or the data's (derived by the launcher's checks)
 
 
 @dataclass
@@ -110,6 +116,12 @@ class LoggingConfig:
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
     log_throughput: bool = False  # Megatron's --log-throughput; the log line always shows the throughput
     tensorboard_dir: str | None = None  # None: RUN_DIR/tensorboard
+    # Megatron's TensorBoard switches: which of its scalars are written, and every how many iterations
+    tensorboard_log_interval: int = 1
+    log_timers_to_tensorboard: bool = False  # iteration-time (and throughput with log_throughput)
+    log_loss_scale_to_tensorboard: bool = True
+    log_validation_ppl_to_tensorboard: bool = False
+    log_world_size_to_tensorboard: bool = False
     wandb_project: str | None = None  # Weights & Biases, imported only when a project is given
     wandb_exp_name: str | None = None
     peak_tflops: float | None = None  # per rank, for MFU; None: measured with a GEMM at the start
@@ -139,6 +151,14 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # None: micro_batch_size * dp (no accumulation)
+    # Megatron's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START by
+    # INCREMENT over SAMPLES consumed samples, up to global_batch_size (batch_size_at)
+    rampup_batch_size: tuple | None = None
+    # Megatron's --calculate-per-token-loss: the gradient of the loss summed over the global batch's
+    # loss tokens (all micro-batches, all DP ranks) divided by their number, instead of the mean of
+    # the micro-batches' per-token means
+    calculate_per_token_loss: bool = False
+    distributed_timeout_minutes: float | None = None  # the process groups' timeout (None: torch's, 30 minutes)
     train_iters: int | None = 100  # None with train_samples: derived, train_samples // global_batch_size
     train_samples: int | None = None
     exit_interval: int | None = None  # stop (saving with --save) after an iteration divisible by it
@@ -161,7 +181,21 @@ class TrainConfig:
 
     @property
     def num_micro_batches(self) -> int:
+        """Micro-batches per DP rank of a full global batch (after any ramp-up)."""
         return self.global_batch_size // (self.micro_batch_size * self.parallel.dp)
+
+    def batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch of the iteration that starts after `consumed_samples`: Megatron's
+        RampupBatchsizeNumMicroBatchesCalculator. START + INCREMENT x int(consumed / (SAMPLES /
+        increments)) while consumed <= SAMPLES (increments = (global - START) / INCREMENT), the
+        global batch after."""
+        if self.rampup_batch_size is None:
+            return self.global_batch_size
+        start, increment, samples = self.rampup_batch_size
+        if consumed_samples > samples or start == self.global_batch_size:
+            return self.global_batch_size
+        per_increment = samples / ((self.global_batch_size - start) // increment)
+        return start + increment * int(consumed_samples / per_increment)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -229,6 +263,7 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
             errors.append(f"--global-batch-size {cfg.global_batch_size} gives {cfg.num_micro_batches} micro-batch(es) "
                           f"per step, fewer than the {par.pp} pipeline stages the 1F1B schedules keep in flight "
                           f"(use --global-batch-size {par.pp * per_step} or more)")
+    errors += _rampup_rules(cfg, errors)
     errors += _length_rules(cfg, errors)
     for flag, value, least in (("--eval-interval", cfg.eval_interval, 1),
                                ("--eval-iters", cfg.eval_iters, 0), ("--log-interval", cfg.logging.log_interval, 1)):
@@ -261,6 +296,15 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
             errors.append(f"--adam-beta1/--adam-beta2 must be in [0, 1), got {opt.adam_beta1}, {opt.adam_beta2}")
         if opt.adam_eps <= 0:
             errors.append(f"--adam-eps must be positive, got {opt.adam_eps}")
+    if opt.decoupled_lr is not None and not (math.isfinite(opt.decoupled_lr) and opt.decoupled_lr > 0):
+        errors.append(f"--decoupled-lr must be a positive number, got {opt.decoupled_lr}")
+    elif opt.decoupled_min_lr is not None and opt.decoupled_lr is None:  # Megatron reads it only with one
+        _note(cfg, "--decoupled-min-lr without --decoupled-lr: no effect (every parameter follows --lr and --min-lr), "
+                   "as Megatron ignores it")
+    elif opt.decoupled_min_lr is not None and not (math.isfinite(opt.decoupled_min_lr)
+                                                   and 0 <= opt.decoupled_min_lr <= opt.decoupled_lr):
+        errors.append(f"--decoupled-min-lr must be between 0 and --decoupled-lr ({opt.decoupled_lr}), got "
+                      f"{opt.decoupled_min_lr}")
     if opt.bucket_size < 1:
         errors.append(f"--ddp-bucket-size must be at least 1, got {opt.bucket_size}")
     if opt.optimizer not in OPTIMIZERS:
@@ -313,6 +357,11 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.host_memory not in HOST_MEMORY_MODES:
         errors.append(f"--host-memory must be {' or '.join(HOST_MEMORY_MODES)}, got {cfg.host_memory!r}")
     log = cfg.logging
+    if log.tensorboard_log_interval < 1:
+        errors.append(f"--tensorboard-log-interval must be at least 1, got {log.tensorboard_log_interval}")
+    timeout = cfg.distributed_timeout_minutes
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        errors.append(f"--distributed-timeout-minutes must be a positive number of minutes, got {timeout}")
     if log.peak_tflops is not None and not log.peak_tflops > 0:
         errors.append(f"--peak-tflops must be positive, got {log.peak_tflops}")
     if log.wandb_exp_name is not None and log.wandb_project is None:
@@ -326,6 +375,50 @@ def resolve(cfg: TrainConfig, world_size: int) -> list[str]:
     return errors
 
 
+def _rampup_rules(cfg: TrainConfig, errors: list) -> list:
+    """--rampup-batch-size START INCREMENT SAMPLES: Megatron's asserts, all of them before the run
+    (Megatron finds a batch size that micro batch x DP does not divide only when the ramp reaches it)."""
+    if cfg.rampup_batch_size is None:
+        return []
+    try:
+        start, increment, samples = (int(v) for v in cfg.rampup_batch_size)
+    except (TypeError, ValueError):
+        return [f"--rampup-batch-size takes three integers START INCREMENT SAMPLES, got {cfg.rampup_batch_size}"]
+    cfg.rampup_batch_size = (start, increment, samples)
+    out = []
+    if start < 1 or increment < 1 or samples < 1:  # Megatron divides by the samples: 0 fails there
+        out.append(f"--rampup-batch-size {start} {increment} {samples}: the start batch, the increment and the "
+                   "ramp-up samples must be at least 1")
+    if cfg.train_samples is None:  # Megatron: 'expected no batch-size rampup for iteration-based training'
+        out.append("--rampup-batch-size needs --train-samples N (the ramp counts samples; iteration-based training "
+                   "has none, as in Megatron)")
+    if out or errors or not cfg.global_batch_size:
+        return out
+    per_step = cfg.micro_batch_size * cfg.parallel.dp
+    if start > cfg.global_batch_size or (cfg.global_batch_size - start) % increment:
+        out.append(f"--rampup-batch-size {start} {increment} {samples}: --global-batch-size {cfg.global_batch_size} "
+                   f"must be the start batch plus a whole number of increments")
+    elif start % per_step or (start < cfg.global_batch_size and increment % per_step):
+        out.append(f"--rampup-batch-size {start} {increment} {samples}: every batch of the ramp must divide by micro "
+                   f"batch * DP = {cfg.micro_batch_size}*{cfg.parallel.dp} = {per_step} (the start and the increment)")
+    elif cfg.parallel.pp > 1 and start // per_step < cfg.parallel.pp and cfg.parallel.pp_schedule != "gpipe":
+        out.append(f"--rampup-batch-size {start}: the first batches give {start // per_step} micro-batch(es) per step, "
+                   f"fewer than the {cfg.parallel.pp} pipeline stages the 1F1B schedules keep in flight")
+    return out
+
+
+def rampup_iterations(cfg: TrainConfig) -> int:
+    """Megatron's update_train_iters with a ramp: iterations until the ramp ends (or the samples
+    run out: the last of them may overshoot), then whole global batches of what is left."""
+    iterations = consumed = 0
+    while consumed <= cfg.rampup_batch_size[2] and consumed <= cfg.train_samples:
+        consumed += cfg.batch_size_at(consumed)
+        iterations += 1
+    if cfg.train_samples > consumed:
+        iterations += (cfg.train_samples - consumed) // cfg.global_batch_size
+    return iterations
+
+
 def _length_rules(cfg: TrainConfig, errors: list) -> list:
     """--train-iters or --train-samples (iterations = samples // global batch, as Megatron)."""
     out = []
@@ -334,6 +427,8 @@ def _length_rules(cfg: TrainConfig, errors: list) -> list:
             out.append(f"--train-samples must be at least 1, got {cfg.train_samples}")
         elif not errors and cfg.global_batch_size:
             iters = cfg.train_samples // cfg.global_batch_size
+            if cfg.rampup_batch_size is not None:
+                iters = rampup_iterations(cfg)
             if iters < 1:
                 out.append(f"--train-samples {cfg.train_samples} is less than one global batch "
                            f"({cfg.global_batch_size})")
@@ -455,7 +550,10 @@ def schedule_steps(cfg: TrainConfig) -> tuple:
     return warmup, decay, wsd or 0
 
 
-def lr_step(cfg: TrainConfig, iteration: int) -> int:
+def lr_step(cfg: TrainConfig, iteration: int, consumed_samples: int | None = None) -> int:
     """Where iteration `iteration` (from 1) stands on the schedule: the iteration, or with
-    --train-samples the samples consumed by the end of it."""
-    return iteration * cfg.global_batch_size if cfg.train_samples is not None else iteration
+    --train-samples the samples consumed by the end of it (`consumed_samples`; without it, as
+    many global batches as iterations: no ramp-up)."""
+    if cfg.train_samples is None:
+        return iteration
+    return consumed_samples if consumed_samples is not None else iteration * cfg.global_batch_size

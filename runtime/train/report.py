@@ -14,6 +14,7 @@ import time
 from ..files import open_to_write, write_atomically
 
 METRICS = "metrics.jsonl"
+SAMPLES_DIR = "vs-samples"  # under the TensorBoard directory: the 'X vs samples' series
 CONFIG = "config.json"
 
 
@@ -48,12 +49,18 @@ class NullReporter:
 
 
 class Reporter:
-    """peak: a throughput.Peak (per rank) for MFU; None: TFLOP/s without MFU."""
+    """peak: a throughput.Peak (per rank) for MFU; None: TFLOP/s without MFU. tensorboard: the
+    switches of runtime.train.config.LoggingConfig that pick Megatron's scalars
+    (tensorboard_log_interval, log_timers_to_tensorboard, log_throughput, ...); world_size: the
+    run's, for 'world-size'."""
 
     def __init__(self, run_dir: str, train_iters: int, log_interval: int, progress: bool | None = None,
                  stream=None, bar_stream=None, append: bool = False, tensorboard_dir: str | None = None,
-                 peak=None, wandb_project: str | None = None, wandb_exp_name: str | None = None):
+                 peak=None, wandb_project: str | None = None, wandb_exp_name: str | None = None,
+                 tensorboard=None, world_size: int = 1):
         self.run_dir = run_dir
+        self.tb_options = tensorboard if tensorboard is not None else _DefaultTensorBoard()
+        self.world_size = world_size
         self.train_iters, self.log_interval = train_iters, log_interval
         self.stream = stream or sys.stdout
         self.bar_stream = bar_stream or sys.stderr
@@ -65,6 +72,10 @@ class Reporter:
         self.tensorboard_dir = tensorboard_dir or os.path.join(run_dir, "tensorboard")
         self._tb_writer = None  # opened at the first scalar (a resumed run first says where to purge)
         self._purge_step = None
+        # Megatron's 'X vs samples' series: steps are samples, so they purge on resume by samples,
+        # in a directory of their own (a writer's purge hides every tag's events from its step on)
+        self._samples_writer = None
+        self._samples_purge_step = None
         self._wandb = None
         self._wandb_args = (wandb_project, wandb_exp_name) if wandb_project else None
         self._window: list = []
@@ -75,6 +86,13 @@ class Reporter:
         if self._tb_writer is None:
             self._tb_writer = _summary_writer(self.tensorboard_dir, self._purge_step)
         return self._tb_writer
+
+    @property
+    def _tb_samples(self):
+        if self._samples_writer is None:
+            self._samples_writer = _summary_writer(os.path.join(self.tensorboard_dir, SAMPLES_DIR),
+                                                   self._samples_purge_step)
+        return self._samples_writer
 
     # -- plain lines ----------------------------------------------------------------------------------
 
@@ -101,34 +119,50 @@ class Reporter:
 
     def train(self, *, iteration: int, consumed_samples: int, lr: float, loss: float, grad_norm: float,
               step_time: float, tokens: int, batch_size: int, memory_mb: float, skipped: bool,
-              flops: int | None = None, aux_losses: dict | None = None) -> None:
-        """flops: this rank's FLOPs in the iteration (the compiled plan's count)."""
+              flops: int | None = None, aux_losses: dict | None = None, loss_scale: float = 1.0) -> None:
+        """flops: this rank's FLOPs in the iteration (the compiled plan's count); loss_scale:
+        fp16's (1.0 otherwise, as Megatron logs it)."""
         tflops = flops / step_time / 1e12 if flops and step_time > 0 else None
         mfu = self.peak.mfu(tflops) if tflops is not None and self.peak is not None else None
         record = {"kind": "train", "iteration": iteration, "consumed_samples": consumed_samples, "lr": lr,
                   "loss": loss, "grad_norm": grad_norm, "step_time_s": step_time,
                   "tokens_per_s": tokens / step_time if step_time > 0 else None, "tflops_per_rank": tflops,
-                  "mfu": mfu, "memory_mb": memory_mb, "skipped": skipped, "time": time.time()}
+                  "mfu": mfu, "memory_mb": memory_mb, "skipped": skipped, "loss_scale": loss_scale,
+                  "batch_size": batch_size, "time": time.time()}
+        opts = self.tb_options
         for name, value in sorted((aux_losses or {}).items()):  # MoE: logged beside the LM loss
             record[name] = value
             self._scalars(iteration, {name.replace("_", " "): value})
         self._metrics.write(metrics_line(record))
-        self._scalars(iteration, {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
-                                  "throughput/tokens-per-second": record["tokens_per_s"],
-                                  "throughput/tflops-per-rank": tflops, "throughput/mfu": mfu,
+        if iteration % opts.tensorboard_log_interval == 0:
+            # Megatron's training_log scalars, each also against the samples consumed ('X vs samples')
+            megatron = {"learning-rate": lr, "batch-size": batch_size, "lm loss": loss}
+            if opts.log_loss_scale_to_tensorboard:
+                megatron["loss-scale"] = loss_scale
+            if opts.log_world_size_to_tensorboard:
+                megatron["world-size"] = self.world_size
+            if grad_norm is not None and math.isfinite(grad_norm):
+                megatron["grad-norm"] = grad_norm
+            self._scalars(iteration, megatron, samples=consumed_samples)
+        # specc's own, every iteration
+        self._scalars(iteration, {"throughput/tokens-per-second": record["tokens_per_s"],
+                                  "throughput/tflops-per-gpu": tflops, "throughput/mfu": mfu,
                                   "step-time": step_time, "memory/max-mb": memory_mb})
         self._window.append(record)
         if iteration % self.log_interval == 0 or iteration == self.train_iters:
             self._log_window(batch_size, tokens)
             self._metrics.flush()
-            self._tb.flush()
+            self.sync_tensorboard()
         if self.progress:
             self._advance_bar(iteration, loss)
 
-    def _scalars(self, step: int, values: dict) -> None:
+    def _scalars(self, step: int, values: dict, samples: int | None = None) -> None:
+        """values at `step`; with `samples`, each also as 'TAG vs samples' at that many samples."""
         clean = {tag: float(v) for tag, v in values.items() if v is not None}
         for tag, value in clean.items():
             self._tb.add_scalar(tag, value, step)
+            if samples is not None:
+                self._tb_samples.add_scalar(f"{tag} vs samples", value, samples)
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
 
@@ -140,27 +174,40 @@ class Reporter:
         finite = [r["loss"] for r in w if math.isfinite(r["loss"])]
         loss = sum(finite) / len(finite) if finite else float("nan")
         skipped = sum(1 for r in w if r["skipped"])
+        nan = sum(1 for r in w if not math.isfinite(r["loss"]))  # Megatron's: a loss that is inf or nan
         throughput = ""
+        tflops = None
         if last["tflops_per_rank"] is not None:  # the window's mean step time: its mean TFLOP/s
             tflops = last["tflops_per_rank"] * last["step_time_s"] / step
-            throughput = f"throughput per rank (TFLOP/s): {tflops:.4g} | "
+            throughput = f"throughput per GPU (TFLOP/s/GPU): {tflops:.4g} | "
             if self.peak is not None:
                 throughput += f"MFU: {100 * self.peak.mfu(tflops):.2f}% | "
+        opts = self.tb_options
+        if opts.log_timers_to_tensorboard:  # Megatron's, at its log line: the interval's mean
+            timers = {"iteration-time": step}
+            if opts.log_throughput and tflops is not None:
+                timers["throughput"] = tflops
+            self._scalars(last["iteration"], timers)
         self.info(
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {last['iteration']:>8d}/{self.train_iters:>8d} | "
             f"consumed samples: {last['consumed_samples']:>12d} | elapsed time per iteration (ms): {step * 1000:.1f} | "
             f"{throughput}tokens per second: {tokens / step:.1f} | learning rate: {last['lr']:.6E} | "
-            f"global batch size: {batch_size:>5d} | lm loss: {loss:.6E} | grad norm: {last['grad_norm']:.3f} | "
-            f"max memory (MB): {last['memory_mb']:.1f} | number of skipped iterations: {skipped:>3d} |"
+            f"global batch size: {batch_size:>5d} | lm loss: {loss:.6E} | loss scale: {last['loss_scale']:.1f} | "
+            f"grad norm: {last['grad_norm']:.3f} | max memory (MB): {last['memory_mb']:.1f} | "
+            f"number of skipped iterations: {skipped:>3d} | number of nan iterations: {nan:>3d} |"
             + "".join(f" {k.replace('_', ' ')}: {last[k]:.6E} |" for k in ("load_balancing_loss", "z_loss") if k in last))
 
-    def evaluation(self, *, iteration: int, loss: float, split: str = "validation") -> None:
+    def evaluation(self, *, iteration: int, loss: float, split: str = "validation",
+                   consumed_samples: int | None = None) -> None:
         ppl = math.exp(min(loss, 20.0))
         self._metrics.write(metrics_line({"kind": "eval", "split": split, "iteration": iteration, "loss": loss,
                                           "ppl": ppl, "time": time.time()}))
         self._metrics.flush()
-        self._scalars(iteration, {f"{split} loss": loss, f"{split} ppl": ppl})
-        self._tb.flush()
+        # Megatron's evaluate_and_print_results: 'lm loss validation' (and its ppl with the flag)
+        self._scalars(iteration, {f"lm loss {split}": loss}, samples=consumed_samples)
+        if self.tb_options.log_validation_ppl_to_tensorboard:
+            self._scalars(iteration, {f"lm loss {split} ppl": ppl}, samples=consumed_samples)
+        self.sync_tensorboard()
         line = f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
         bar = "-" * len(line)
         self.info(f"{bar}\n{line}\n{bar}")
@@ -173,14 +220,19 @@ class Reporter:
         run computes it again."""
         self._metrics.flush()
         os.fsync(self._metrics.fileno())
-        if self._tb_writer is not None:
-            self._tb_writer.flush()
+        self.sync_tensorboard()
 
-    def resume(self, iteration: int) -> None:
+    def sync_tensorboard(self) -> None:
+        for writer in (self._tb_writer, self._samples_writer):
+            if writer is not None:
+                writer.flush()
+
+    def resume(self, iteration: int, consumed_samples: int | None = None) -> None:
         """A run that resumes after `iteration` (a checkpoint's; 0 when it starts over): drop the
         metrics recorded after it, which the run records again, and any line a killed run left
         half-written, so that every iteration appears exactly once. TensorBoard does the same
-        for its events: a writer with purge_step hides the old events from that step on."""
+        for its events: a writer with purge_step hides the old events from that step on (the
+        'vs samples' series' from the checkpoint's `consumed_samples` on)."""
         path = os.path.join(self.run_dir, METRICS)
         self._metrics.close()
         kept = []
@@ -195,10 +247,12 @@ class Reporter:
                     kept.append(line.rstrip("\n") + "\n")
         write_atomically(path, "".join(kept), durable=True)
         self._metrics = open_to_write(path, "a")
-        if self._tb_writer is not None:
-            self._tb_writer.close()
-            self._tb_writer = None
+        for writer in (self._tb_writer, self._samples_writer):
+            if writer is not None:
+                writer.close()
+        self._tb_writer = self._samples_writer = None
         self._purge_step = iteration + 1
+        self._samples_purge_step = consumed_samples + 1 if consumed_samples is not None else None
 
     # -- progress bar --------------------------------------------------------------------------------
 
@@ -218,11 +272,22 @@ class Reporter:
             self._bar = None
         self.sync()
         self._metrics.close()
-        if self._tb_writer is not None:
-            self._tb_writer.close()
+        for writer in (self._tb_writer, self._samples_writer):
+            if writer is not None:
+                writer.close()
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+class _DefaultTensorBoard:
+    """Megatron's defaults for its TensorBoard switches (LoggingConfig's)."""
+    tensorboard_log_interval = 1
+    log_timers_to_tensorboard = False
+    log_throughput = False
+    log_loss_scale_to_tensorboard = True
+    log_validation_ppl_to_tensorboard = False
+    log_world_size_to_tensorboard = False
 
 
 def _summary_writer(directory: str, purge_step: int | None = None):

@@ -22,6 +22,7 @@ from .. import api, comm, moe
 from ..compile import compile_layers
 from ..ddp import DistributedDataParallel
 from ..grads import finalize_model_grads
+from ..layers import PositionEmbedding, VocabParallelEmbedding
 from ..optim import SGD, Adam, ConstantGradScaler, DynamicGradScaler, FlatOptimizer, LRSchedule
 from ..parallel_state import ProcessGroups
 from ..random import RNGTracker
@@ -32,11 +33,11 @@ from .throughput import SavedActivations, tensor_bytes
 
 def lm_forward_step(model, batch) -> torch.Tensor:
     """A language model whose forward(tokens, labels) returns the per-token loss [b, s] (or the
-    loss first and then other values, such as the logits): the micro-batch loss is its mean
-    (every token counts; windows have no padding)."""
-    tokens, labels = batch
+    loss first and then other values, such as the logits): that loss, fp32. The batch may carry
+    a loss mask after them (loss_weights weighs the tokens)."""
+    tokens, labels = batch[0], batch[1]
     out = model(tokens, labels)
-    return (out[0] if isinstance(out, tuple) else out).float().mean()
+    return (out[0] if isinstance(out, tuple) else out).float()
 
 
 FORWARD_STEPS: dict[tuple, Callable] = {("tokens", "labels"): lm_forward_step}
@@ -63,6 +64,8 @@ class Setup:
     device: torch.device
     forward_step: Callable
     pipeline: object = None  # runtime.pipeline.Pipeline at PP > 1: the schedule that runs every micro-batch
+    # --decoupled-lr: the word embedding's and output layer's schedule (None: they follow `schedule`)
+    decoupled_schedule: LRSchedule | None = None
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -91,7 +94,9 @@ def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch
                                   grad_reduce="reduce_scatter" if opt.use_distributed_optimizer else "all_reduce",
                                   overlap_grad_reduce=opt.overlap_grad_reduce)
     common = dict(distributed=opt.use_distributed_optimizer, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad,
-                  grad_scaler=grad_scaler(cfg), overlap_param_gather=opt.overlap_param_gather)
+                  grad_scaler=grad_scaler(cfg), overlap_param_gather=opt.overlap_param_gather,
+                  decoupled=embedding_and_output_weights(model, spec.config["vocab_size"])
+                  if opt.decoupled_lr is not None else ())
     if opt.optimizer == "sgd":
         optimizer = SGD(ddp, pg, momentum=opt.sgd_momentum, **common)
     else:
@@ -99,13 +104,33 @@ def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch
     warmup, decay, wsd = schedule_steps(cfg)
     schedule = LRSchedule(opt.lr, opt.min_lr, warmup, decay, cfg.schedule.lr_decay_style, wsd,
                           cfg.schedule.lr_wsd_decay_style)
+    decoupled = None
+    if opt.decoupled_lr is not None:  # Megatron: the same schedule between their own max and min
+        decoupled = LRSchedule(opt.decoupled_lr, opt.decoupled_min_lr if opt.decoupled_min_lr is not None
+                               else opt.min_lr, warmup, decay, cfg.schedule.lr_decay_style, wsd,
+                               cfg.schedule.lr_wsd_decay_style)
     pipeline = None
     if pg.pp.size > 1:
         from ..pipeline import Pipeline
 
         pipeline = Pipeline(model, pg, cfg.num_micro_batches, [i.name for i in spec.inputs],
                             schedule=cfg.parallel.pp_schedule, device=device, rng_tracker=rng)
-    return Setup(model, ddp, optimizer, schedule, spec, rng, device, forward_step_for(spec), pipeline)
+    return Setup(model, ddp, optimizer, schedule, spec, rng, device, forward_step_for(spec), pipeline, decoupled)
+
+
+def embedding_and_output_weights(model: torch.nn.Module, vocab_size: int) -> list:
+    """Megatron's is_embedding_or_output_parameter on this rank's stages: the word embedding's
+    table (the embedding op's VocabParallelEmbedding) and the output layer's weight (a matrix
+    onto the vocabulary: `vocab_size` full output rows); one Parameter when they are tied."""
+    out = {}
+    for m in model.modules():
+        weight = getattr(m, "weight", None)
+        meta = getattr(weight, "_specc_init", None)
+        if isinstance(m, VocabParallelEmbedding) or (
+                not isinstance(m, PositionEmbedding) and isinstance(weight, torch.nn.Parameter) and weight.dim() == 2 and meta is not None
+                and tuple(meta.full_shape)[0] == vocab_size):
+            out[id(weight)] = weight
+    return list(out.values())
 
 
 def grad_scaler(cfg: TrainConfig):
@@ -148,45 +173,79 @@ def _autocast(setup: Setup, bf16: bool):
     return torch.autocast(device_type=setup.device.type, dtype=torch.bfloat16)
 
 
+def loss_weights(micro_batches: list, pg: ProcessGroups, per_token: bool, device) -> tuple:
+    """How each micro-batch's per-token loss enters the step, as Megatron's forward_step and
+    finalize_model_grads: (weights, loss tokens of the global batch). A micro-batch's loss mask
+    is its third element (every token counts without one). weights[m] is None (the mean of
+    micro-batch m, 1/n of the step: no mask, not per token) or a [b, s] tensor: mask / (its
+    loss tokens x n), or with `per_token` mask x DP / (the global batch's loss tokens, over all
+    micro-batches and DP ranks; the gradient reduction averages over DP). The global count
+    is known from the data before any forward: one all-reduce of one number."""
+    n = len(micro_batches)
+    masks = [b[2].float() if len(b) > 2 else None for b in micro_batches]
+    counts = [m.sum() if m is not None else torch.tensor(float(b[1].numel()), device=device)
+              for m, b in zip(masks, micro_batches)]
+    total = torch.stack(counts).sum().reshape(1).to(device=device, dtype=torch.float64)
+    if pg.dp.size > 1:
+        comm.all_reduce(total, pg.dp)
+    tokens = total.item()
+    if per_token:
+        weights = [(m if m is not None else torch.ones(b[1].shape, device=device)) * (pg.dp.size / max(tokens, 1.0))
+                   for m, b in zip(masks, micro_batches)]
+    else:  # Megatron clamps a micro-batch's count at 1: all of it masked weighs nothing
+        weights = [None if m is None else m / (c.clamp(min=1.0) * n) for m, c in zip(masks, counts)]
+    return weights, tokens
+
+
 def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, bf16: bool = False,
-               saved_meter=None) -> StepResult:
+               saved_meter=None, per_token_loss: bool = False, decoupled_lr: float | None = None) -> StepResult:
     """Forward and backward every micro-batch (gradients accumulate in the DDP's fp32 buffer;
     only the last one starts the bucketed data-parallel reduction), finalize the gradients
-    (DP reduction, TP-partial sums), then clip and step. saved_meter (a
-    throughput.SavedActivations) measures what the first micro-batch's forward keeps."""
+    (DP reduction, TP-partial sums), then clip and step. A micro-batch is (tokens, labels) or
+    (tokens, labels, loss mask); its loss weighs into the step as loss_weights says
+    (per_token_loss: Megatron's --calculate-per-token-loss). The reported loss is Megatron's:
+    the sum of the masked per-token losses over the global batch, divided by their count.
+    saved_meter (a throughput.SavedActivations) measures what the first micro-batch's forward
+    keeps; decoupled_lr: the optimizer's decoupled parameters' lr."""
     ddp = setup.ddp
     ddp.zero_grad_buffer()
     n = len(micro_batches)
     scaler = setup.optimizer.grad_scaler
     scale = scaler.scale if scaler is not None else 1.0  # fp16: the optimizer unscales
-    moe.set_aux_loss_scale(setup.model, scale / n)  # the auxiliary losses weigh as the LM loss / n
-    total = torch.zeros((), dtype=torch.float32, device=setup.device)
+    weights, tokens = loss_weights(micro_batches, pg, per_token_loss, setup.device)
+    # the auxiliary losses weigh as the LM loss of a micro-batch: 1/n, or per token as Megatron's
+    # (unscaled per micro-batch, then the gradients over the global batch's tokens; DP averages)
+    moe.set_aux_loss_scale(setup.model, scale * pg.dp.size / max(tokens, 1.0) if per_token_loss else scale / n)
+    masked = torch.zeros((), dtype=torch.float64, device=setup.device)  # the sum of the masked per-token losses
     aux: dict = {}  # the MoE auxiliary losses, mean over the micro-batches
     if setup.pipeline is not None:
         # the schedule runs every micro-batch's forward and backward on this rank's stages; the
         # data-parallel reduction waits for finalize_model_grads (after the tied-weight sum)
+        pipeline = pipeline_for(setup, n)
         with ddp.no_sync(), _autocast(setup, bf16):
-            total += setup.pipeline.step(micro_batches, loss_scale=scale,
-                                         saved_meter=saved_meter).to(setup.device).reshape(()) * n
+            pipeline.step(micro_batches, loss_scale=scale, saved_meter=saved_meter,
+                          weights=None if all(w is None for w in weights) else _whole(weights, micro_batches))
+        masked += pipeline.masked_sum.to(setup.device).double().reshape(())
         micro_batches = []
     for i, batch in enumerate(micro_batches):
         with contextlib.nullcontext() if i == n - 1 else ddp.no_sync():
             with _autocast(setup, bf16), saved_meter if i == 0 and saved_meter is not None else contextlib.nullcontext():
-                loss = setup.forward_step(ddp, batch)
-            (loss * (scale / n)).backward()
-        total += loss.detach()
+                per_token = setup.forward_step(ddp, batch)
+            if weights[i] is None:  # as the pipeline's loss_fn: the mean, 1/n of the step
+                (per_token.mean() * (scale / n)).backward()
+            else:
+                ((per_token * weights[i]).sum() * scale).backward()
+        masked += (per_token.detach() if len(batch) < 3 else per_token.detach() * batch[2]).double().sum()
         for name, value in moe.aux_losses(setup.model).items():
             aux[name] = aux.get(name, 0.0) + value / n
     finalize_model_grads(setup.model, pg, ddp)
-    grad_norm, applied = setup.optimizer.step(lr)
+    grad_norm, applied = setup.optimizer.step(lr) if decoupled_lr is None else setup.optimizer.step(lr, decoupled_lr)
     if applied:
         moe.update_expert_biases(setup.model, pg.dp)
-    mean = (total / n).reshape(1)
     # A CP model returns the whole sequence's per-token loss on every CP rank (it gathers it):
     # the loss is reduced over DP only, never over CP.
     if pg.dp.size > 1:
-        comm.all_reduce(mean, pg.dp)
-        mean /= pg.dp.size
+        comm.all_reduce(masked, pg.dp)
     aux_means = {}
     if aux:  # each CP rank holds its tokens' part: summed over CP, then the mean over DP
         names = sorted(aux)
@@ -194,43 +253,70 @@ def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, 
         comm.all_reduce(values, pg.cp)
         comm.all_reduce(values, pg.dp)
         aux_means = {k: v / pg.dp.size for k, v in zip(names, values.tolist())}
-    return StepResult(mean.item(), grad_norm, applied, aux_means)
+    return StepResult(masked.item() / tokens if tokens else float("nan"), grad_norm, applied, aux_means)
+
+
+def _whole(weights: list, micro_batches: list) -> torch.Tensor:
+    """The per-micro-batch weights of a pipeline step as one [n*b, s] tensor (a mean is mask-free
+    weights of 1 / (tokens x n))."""
+    return torch.cat([w if w is not None else torch.full(b[1].shape, 1.0 / (b[1].numel() * len(micro_batches)),
+                                                         device=b[1].device)
+                      for w, b in zip(weights, micro_batches)])
+
+
+def pipeline_for(setup: Setup, n: int):
+    """The pipeline schedule for n micro-batches: a batch-size ramp-up changes n, and torch's
+    schedules are built for one n (the stages wrap the same model)."""
+    if setup.pipeline.n == n:
+        return setup.pipeline
+    if not hasattr(setup, "_pipelines"):
+        setup._pipelines = {}
+    if n not in setup._pipelines:
+        setup._pipelines[n] = setup.pipeline.with_micro_batches(n)
+    return setup._pipelines[n]
 
 
 @torch.no_grad()
 def evaluate(setup: Setup, dataset, cfg: TrainConfig, pg: ProcessGroups) -> float:
-    """Mean loss over the first eval_iters global batches of `dataset` (the same samples at
-    every evaluation, so the curve compares like with like)."""
+    """Loss over the first eval_iters global batches of `dataset` (the same samples at every
+    evaluation, so the curve compares like with like): Megatron's, the sum of the masked
+    per-token losses over all of them, divided by their count."""
     setup.model.eval()
-    total = torch.zeros(1, dtype=torch.float64, device=setup.device)
-    count = 0
+    total = torch.zeros(2, dtype=torch.float64, device=setup.device)  # masked loss sum, loss tokens
     try:
         for it in range(cfg.eval_iters):
+            batches = [micro_batch(dataset, it * cfg.global_batch_size, m, cfg, pg, setup.device)
+                       for m in range(cfg.num_micro_batches)]
+            for b in batches:
+                total[1] += float(b[2].sum()) if len(b) > 2 else b[1].numel()
             if setup.pipeline is not None:
-                batches = [micro_batch(dataset, it * cfg.global_batch_size, m, cfg, pg, setup.device)
-                           for m in range(cfg.num_micro_batches)]
+                weights, _ = loss_weights(batches, pg, False, setup.device)
                 with _autocast(setup, cfg.bf16):
-                    total += setup.pipeline.step(batches, train=False).double().to(setup.device) * len(batches)
-                count += len(batches)
+                    setup.pipeline.step(batches, train=False, weights=_whole(weights, batches))
+                total[0] += setup.pipeline.masked_sum.double().to(setup.device).reshape(())
                 continue
-            for m in range(cfg.num_micro_batches):
-                batch = micro_batch(dataset, it * cfg.global_batch_size, m, cfg, pg, setup.device)
+            for b in batches:
                 with _autocast(setup, cfg.bf16):
-                    total += setup.forward_step(setup.model, batch).double()
-                count += 1
+                    per_token = setup.forward_step(setup.model, b)
+                total[0] += (per_token if len(b) < 3 else per_token * b[2]).double().sum()
     finally:
         setup.model.train()
     if pg.dp.size > 1:
         comm.all_reduce(total, pg.dp)
-    return total.item() / (count * pg.dp.size)
+    return total[0].item() / total[1].item() if total[1].item() else float("nan")
 
 
 def micro_batch(dataset, consumed: int, micro: int, cfg: TrainConfig, pg: ProcessGroups, device):
     """This DP rank's micro-batch, full [b, s]: TP and CP ranks of one DP rank read the same
-    samples (a CP model scatters them to the rank's load-balanced chunks itself)."""
+    samples (a CP model scatters them to the rank's load-balanced chunks itself). With
+    --eod-mask-loss a third tensor, the loss mask: 0 where the input token is the end-of-document
+    token, as Megatron's get_ltor_masks_and_position_ids."""
     tokens, labels = dataset.micro_batch(consumed, micro, cfg.micro_batch_size, pg.dp.rank, pg.dp.size)
-    return (torch.from_numpy(tokens).to(device, non_blocking=True),
-            torch.from_numpy(labels).to(device, non_blocking=True))
+    out = (torch.from_numpy(tokens).to(device, non_blocking=True),
+           torch.from_numpy(labels).to(device, non_blocking=True))
+    if cfg.data.eod_mask_loss:
+        out += ((out[0] != cfg.data.eod).float(),)
+    return out
 
 
 def max_memory_mb(device: torch.device) -> float:
@@ -271,44 +357,61 @@ def train(setup: Setup, datasets: dict, cfg: TrainConfig, pg: ProcessGroups, rep
           flops_per_iteration: int | None = None, after_first_step: Callable[[dict], None] | None = None) -> list:
     """Run iterations state.iteration+1 .. train_iters; returns the per-iteration losses.
     save_fn(state) saves a checkpoint; before_step(iteration) runs before each iteration.
-    flops_per_iteration: this rank's FLOPs in one iteration (the compiled plan's, all its
-    micro-batches), for TFLOP/s and MFU; after_first_step(measured_memory) runs after the
-    first iteration of this run."""
+    flops_per_iteration: this rank's FLOPs in one iteration of the full global batch (the
+    compiled plan's, all its micro-batches), for TFLOP/s and MFU; after_first_step(measured_memory)
+    runs after the first iteration of this run. With --rampup-batch-size each iteration's global
+    batch follows the samples consumed (cfg.batch_size_at), and, as Megatron, a checkpoint is
+    saved (with save_fn) before the first iteration of each new batch size."""
     losses = []
     first = True
     seq = setup.spec.config["seq_length"]
-    tokens_per_step = cfg.global_batch_size * seq
-    evaluated_at = None
+    evaluated_at = saved_at = None
+    batch_size = cfg.batch_size_at(state.consumed_samples)
     started = time.monotonic()  # --exit-duration-in-mins counts from here
     while state.iteration < cfg.train_iters:
         iteration = state.iteration + 1
+        if cfg.batch_size_at(state.consumed_samples) != batch_size:
+            batch_size = cfg.batch_size_at(state.consumed_samples)
+            reporter.info(f"ramping up the global batch to {batch_size} after {state.consumed_samples} samples "
+                          "(--rampup-batch-size)")
+            if save_fn is not None and cfg.checkpoint.save is not None and saved_at != state.iteration:
+                save_fn(state)
+                saved_at = state.iteration
+        n = batch_size // (cfg.micro_batch_size * pg.dp.size)
         if before_step is not None:
             before_step(iteration)
-        lr = setup.schedule(lr_step(cfg, iteration))
+        lr_at = lr_step(cfg, iteration, state.consumed_samples + batch_size)
+        lr = setup.schedule(lr_at)
+        decoupled_lr = setup.decoupled_schedule(lr_at) if setup.decoupled_schedule is not None else None
         start = time.perf_counter()
-        batches = [micro_batch(datasets["train"], state.consumed_samples, m, cfg, pg, setup.device)
-                   for m in range(cfg.num_micro_batches)]
+        batches = [micro_batch(datasets["train"], state.consumed_samples, m, cfg, pg, setup.device) for m in range(n)]
         meter = SavedActivations(setup.model.parameters()) if first and after_first_step is not None else None
-        result = train_step(setup, batches, lr, pg, cfg.bf16, saved_meter=meter)
+        result = train_step(setup, batches, lr, pg, cfg.bf16, saved_meter=meter,
+                            per_token_loss=cfg.calculate_per_token_loss, decoupled_lr=decoupled_lr)
         if setup.device.type == "cuda":
             torch.cuda.synchronize(setup.device)
         step_time = time.perf_counter() - start
         state.iteration = iteration
-        state.consumed_samples += cfg.global_batch_size
+        state.consumed_samples += batch_size
         losses.append(result.loss)
+        scaler = setup.optimizer.grad_scaler
         reporter.train(iteration=iteration, consumed_samples=state.consumed_samples, lr=lr, loss=result.loss,
-                       grad_norm=result.grad_norm, step_time=step_time, tokens=tokens_per_step,
-                       batch_size=cfg.global_batch_size, memory_mb=max_memory_mb(setup.device),
-                       skipped=not result.applied, flops=flops_per_iteration,
+                       grad_norm=result.grad_norm, step_time=step_time, tokens=batch_size * seq,
+                       batch_size=batch_size, memory_mb=max_memory_mb(setup.device),
+                       skipped=not result.applied,
+                       flops=flops_per_iteration // cfg.num_micro_batches * n if flops_per_iteration else None,
+                       loss_scale=scaler.scale if scaler is not None else 1.0,
                        **({"aux_losses": result.aux_losses} if result.aux_losses else {}))
         if meter is not None:
             after_first_step(measured_memory(setup, meter))
         first = False
         if cfg.eval_iters > 0 and iteration % cfg.eval_interval == 0:
-            reporter.evaluation(iteration=iteration, loss=evaluate(setup, datasets["valid"], cfg, pg))
+            reporter.evaluation(iteration=iteration, loss=evaluate(setup, datasets["valid"], cfg, pg),
+                                consumed_samples=state.consumed_samples)
             evaluated_at = iteration
         if save_fn is not None and cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
             save_fn(state)
+            saved_at = iteration
         if cfg.exit_interval and iteration % cfg.exit_interval == 0:
             reporter.info(f"exiting after iteration {iteration} (--exit-interval {cfg.exit_interval})")
             break
@@ -318,5 +421,6 @@ def train(setup: Setup, datasets: dict, cfg: TrainConfig, pg: ProcessGroups, rep
             break
     setup.ddp.finish_param_sync()  # --overlap-param-gather: the last step's gathers, before anyone reads
     if cfg.eval_iters > 0 and evaluated_at != state.iteration:
-        reporter.evaluation(iteration=state.iteration, loss=evaluate(setup, datasets["valid"], cfg, pg))
+        reporter.evaluation(iteration=state.iteration, loss=evaluate(setup, datasets["valid"], cfg, pg),
+                            consumed_samples=state.consumed_samples)
     return losses

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import platform
 
@@ -14,7 +15,7 @@ import torch
 from train_helpers import assert_params_close, assert_steps_agree, make_corpus, run_steps, tiny_config
 
 from runtime.parallel_state import ProcessGroups
-from runtime.train.config import OptimizerConfig, ParallelConfig, TrainConfig, resolve
+from runtime.train.config import LoggingConfig, OptimizerConfig, ParallelConfig, TrainConfig, resolve
 from runtime.train.report import Reporter
 from runtime.train.throughput import Peak
 from specc_torch.train import run
@@ -200,21 +201,26 @@ def test_reporter_writes_jsonl_tensorboard_and_megatron_lines(tmp_path):
 
     out, bar = io.StringIO(), _Tty()
     peak = Peak(2.0e-9, "given by --peak-tflops")  # 2000 FLOP/s: at iteration i MFU = (1000 i / 0.5) / 2000 = i
-    rep = Reporter(str(tmp_path), train_iters=4, log_interval=2, stream=out, bar_stream=bar, peak=peak)
+    # Megatron's switches: world-size, validation ppl, timers (iteration-time, throughput) on
+    tb = LoggingConfig(log_world_size_to_tensorboard=True, log_validation_ppl_to_tensorboard=True,
+                       log_timers_to_tensorboard=True, log_throughput=True)
+    rep = Reporter(str(tmp_path), train_iters=4, log_interval=2, stream=out, bar_stream=bar, peak=peak,
+                   tensorboard=tb, world_size=8)
     assert rep.progress  # a terminal gets a progress bar
     rep.start({"lr": 0.1}, {"seq_length": 8})
     for it in range(1, 5):
         rep.train(iteration=it, consumed_samples=4 * it, lr=0.1 / it, loss=5.0 - it, grad_norm=1.5, step_time=0.5,
-                  tokens=64, batch_size=4, memory_mb=10.0, skipped=False, flops=1000 * it)
-    rep.evaluation(iteration=4, loss=1.25)
+                  tokens=64, batch_size=4, memory_mb=10.0, skipped=False, flops=1000 * it, loss_scale=2.0 ** it)
+    rep.evaluation(iteration=4, loss=1.25, consumed_samples=16)
     rep.close()
     lines = out.getvalue().splitlines()
     logs = [ln for ln in lines if "iteration " in ln and "consumed samples" in ln]
     assert len(logs) == 2 and "lm loss: 3.500000E+00" in logs[0] and "tokens per second: 128.0" in logs[0]
     assert "learning rate: 2.500000E-02" in logs[1] and "grad norm: 1.500" in logs[1]
     # TFLOP/s and MFU on every line: the window's mean (step time 0.5 s, 2000 FLOPs at iteration 2)
-    assert "throughput per rank (TFLOP/s): 4e-09 | MFU: 200.00% |" in logs[0]
-    assert "throughput per rank (TFLOP/s): 8e-09 | MFU: 400.00% |" in logs[1]
+    assert "throughput per GPU (TFLOP/s/GPU): 4e-09 | MFU: 200.00% |" in logs[0]
+    assert "throughput per GPU (TFLOP/s/GPU): 8e-09 | MFU: 400.00% |" in logs[1]
+    assert "| loss scale: 4.0 | grad norm: 1.500 |" in logs[0] and "number of nan iterations:   0 |" in logs[0]
     assert any("validation loss at iteration 4 | lm loss value: 1.250000E+00" in ln for ln in lines)
     assert "lm.seq_length" not in out.getvalue() and "model.seq_length" in out.getvalue()
     assert "4/4" in bar.getvalue() and "loss 1.0000" in bar.getvalue()  # tqdm's bar, on the bar stream only
@@ -222,14 +228,26 @@ def test_reporter_writes_jsonl_tensorboard_and_megatron_lines(tmp_path):
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["kind"] for r in records] == ["train"] * 4 + ["eval"]
     assert records[3]["tflops_per_rank"] == pytest.approx(8e-9) and records[3]["mfu"] == pytest.approx(4.0)
-    # the event files, read back by TensorBoard itself
+    # the event files, read back by TensorBoard itself: Megatron's tags, and specc's beside them
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("lm loss")] == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.0)]
-    assert [(e.step, e.value) for e in acc.Scalars("validation loss")] == [(4, 1.25)]
+    assert [(e.step, e.value) for e in acc.Scalars("lm loss validation")] == [(4, 1.25)]
+    assert [(e.step, e.value) for e in acc.Scalars("lm loss validation ppl")] == [(4, pytest.approx(math.exp(1.25)))]
     assert [e.value for e in acc.Scalars("learning-rate")] == pytest.approx([0.1, 0.05, 0.1 / 3, 0.025])
+    assert [e.value for e in acc.Scalars("loss-scale")] == [2.0, 4.0, 8.0, 16.0]
+    assert [e.value for e in acc.Scalars("batch-size")] == [4.0] * 4 and acc.Scalars("world-size")[0].value == 8.0
+    assert [(e.step, e.value) for e in acc.Scalars("iteration-time")] == [(2, 0.5), (4, 0.5)]  # at the log lines
+    assert [e.value for e in acc.Scalars("throughput")] == pytest.approx([4e-9, 8e-9])  # TFLOP/s per GPU
     assert [e.value for e in acc.Scalars("throughput/mfu")] == pytest.approx([1.0, 2.0, 3.0, 4.0])
-    assert {"grad-norm", "throughput/tflops-per-rank", "memory/max-mb"} <= set(acc.Tags()["scalars"])
+    assert {"grad-norm", "throughput/tflops-per-gpu", "memory/max-mb", "step-time"} <= set(acc.Tags()["scalars"])
+    samples = EventAccumulator(str(tmp_path / "tensorboard" / "vs-samples"))  # steps: the samples consumed
+    samples.Reload()
+    assert [(e.step, e.value) for e in samples.Scalars("lm loss vs samples")] == [(4, 4.0), (8, 3.0), (12, 2.0),
+                                                                                 (16, 1.0)]
+    assert {"learning-rate vs samples", "batch-size vs samples", "loss-scale vs samples", "world-size vs samples",
+            "grad-norm vs samples", "lm loss validation vs samples",
+            "lm loss validation ppl vs samples"} <= set(samples.Tags()["scalars"])
 
 
 def test_a_resumed_run_replaces_its_tensorboard_scalars_after_the_checkpoint(tmp_path):
@@ -237,19 +255,24 @@ def test_a_resumed_run_replaces_its_tensorboard_scalars_after_the_checkpoint(tmp
 
     def record(rep, its, base):
         for it in its:
-            rep.train(iteration=it, consumed_samples=it, lr=0.1, loss=base - it, grad_norm=1.0, step_time=0.1,
-                      tokens=8, batch_size=1, memory_mb=1.0, skipped=False)
+            rep.train(iteration=it, consumed_samples=2 * it, lr=0.1, loss=base - it, grad_norm=1.0, step_time=0.1,
+                      tokens=8, batch_size=2, memory_mb=1.0, skipped=False)
         rep.close()
 
     quiet = dict(stream=io.StringIO(), bar_stream=io.StringIO())
     record(Reporter(str(tmp_path), 4, 2, **quiet), range(1, 5), 5.0)
     resumed = Reporter(str(tmp_path), 4, 2, append=True, **quiet)
-    resumed.resume(2)  # from a checkpoint at iteration 2: 3 and 4 again, with other losses
+    resumed.resume(2, 4)  # from a checkpoint at iteration 2 (4 samples): 3 and 4 again, with other losses
     record(resumed, range(3, 5), 10.0)
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("lm loss")] == [(1, 4.0), (2, 3.0), (3, 7.0), (4, 6.0)]
-    assert len(os.listdir(tmp_path / "tensorboard")) == 2  # no empty file from the writer it replaced
+    samples = EventAccumulator(str(tmp_path / "tensorboard" / "vs-samples"))
+    samples.Reload()
+    assert [(e.step, e.value) for e in samples.Scalars("lm loss vs samples")] == [(2, 4.0), (4, 3.0), (6, 7.0),
+                                                                                 (8, 6.0)]
+    for folder in ("tensorboard", "tensorboard/vs-samples"):  # no empty file from the writer it replaced
+        assert len([f for f in os.listdir(tmp_path / folder) if f.startswith("events.")]) == 2
 
 
 def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path):
