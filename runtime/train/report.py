@@ -134,8 +134,8 @@ class Reporter:
             record[name] = value
             self._scalars(iteration, {name.replace("_", " "): value})
         self._metrics.write(metrics_line(record))
+        megatron = {}  # Megatron's training_log scalars, each also against the samples consumed ('X vs samples')
         if iteration % opts.tensorboard_log_interval == 0:
-            # Megatron's training_log scalars, each also against the samples consumed ('X vs samples')
             megatron = {"learning-rate": lr, "batch-size": batch_size, "lm loss": loss}
             if opts.log_loss_scale_to_tensorboard:
                 megatron["loss-scale"] = loss_scale
@@ -143,11 +143,11 @@ class Reporter:
                 megatron["world-size"] = self.world_size
             if grad_norm is not None and math.isfinite(grad_norm):
                 megatron["grad-norm"] = grad_norm
-            self._scalars(iteration, megatron, samples=consumed_samples)
-        # specc's own, every iteration
-        self._scalars(iteration, {"throughput/tokens-per-second": record["tokens_per_s"],
+        # and specc's own, every iteration
+        self._scalars(iteration, {**megatron, "throughput/tokens-per-second": record["tokens_per_s"],
                                   "throughput/tflops-per-gpu": tflops, "throughput/mfu": mfu,
-                                  "step-time": step_time, "memory/max-mb": memory_mb})
+                                  "step-time": step_time, "memory/max-mb": memory_mb},
+                      samples=consumed_samples, vs_samples=megatron)
         self._window.append(record)
         if iteration % self.log_interval == 0 or iteration == self.train_iters:
             self._log_window(batch_size, tokens)
@@ -156,12 +156,13 @@ class Reporter:
         if self.progress:
             self._advance_bar(iteration, loss)
 
-    def _scalars(self, step: int, values: dict, samples: int | None = None) -> None:
-        """values at `step`; with `samples`, each also as 'TAG vs samples' at that many samples."""
+    def _scalars(self, step: int, values: dict, samples: int | None = None, vs_samples=None) -> None:
+        """values at `step`; with `samples`, those in `vs_samples` (all without it) also as 'TAG vs
+        samples' at that many samples. W&B gets them in one call per step."""
         clean = {tag: float(v) for tag, v in values.items() if v is not None}
         for tag, value in clean.items():
             self._tb.add_scalar(tag, value, step)
-            if samples is not None:
+            if samples is not None and (vs_samples is None or tag in vs_samples):
                 self._tb_samples.add_scalar(f"{tag} vs samples", value, samples)
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
