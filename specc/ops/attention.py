@@ -159,7 +159,7 @@ class CoreAttention(OpKind):
             HFKnob("v_head_dim", lambda config, n: [config["v_head_dim"]] * n if _is_int(config.get("v_head_dim"))
                    else None, self.v_dim),
             HFKnob("the score scale over 1/sqrt(head_dim) (rope mscale_all_dim)", _mscale_squared,
-                   lambda a: (a.get("scale") or a["head_dim"] ** -0.5) * a["head_dim"] ** 0.5),
+                   lambda a: (a.get("scale") or a["head_dim"] ** -0.5) / a["head_dim"] ** -0.5),
         )
 
     def impl_unsupported(self, attrs, impl):
