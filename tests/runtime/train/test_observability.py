@@ -73,7 +73,7 @@ def test_a_run_dir_holds_what_trained_and_every_line_shows_tflops_and_mfu(corpus
                       ("optimizer", "optimizer_bytes")):  # fp32 tensors: plan and measurement agree exactly
         assert f"{name} {human_bytes(t[key])} / {human_bytes(t[key])}" in memory
     logs = [ln for ln in lines if "consumed samples" in ln]
-    assert len(logs) == 2 and all("throughput per rank (TFLOP/s): " in ln and "| MFU: " in ln for ln in logs)
+    assert len(logs) == 2 and all("throughput per GPU (TFLOP/s/GPU): " in ln and "| MFU: " in ln for ln in logs)
     records = [json.loads(ln) for ln in open(run_dir / "metrics.jsonl")]
     for r in records:
         assert r["tflops_per_rank"] == pytest.approx(flops / r["step_time_s"] / 1e12)
