@@ -188,6 +188,24 @@ def assert_steps_agree(got: dict, ref: dict, opt, lrs: list, weight_rtol: float 
                                        f" vs {r.flatten()[worst].item():.8g}, allowed {allowed.flatten()[worst]:.2e}")
 
 
+def distinct_traces(traces: list) -> list:
+    """The traces of `traces` that differ in some bit (a loss, a norm, a tensor of the weights
+    before or after a step, a gradient), in order. The ranks of a run report full quantities
+    (gathered over TP, reduced over DP and CP), so most report the same trace: one reference run
+    checks them all, where one run per rank repeated the same single-process steps."""
+    def same(a: dict, b: dict) -> bool:
+        return a["losses"] == b["losses"] and a["norms"] == b["norms"] and all(
+            len(a[k]) == len(b[k]) and all(x.keys() == y.keys() and all(torch.equal(x[n], y[n]) for n in x)
+                                           for x, y in zip(a[k], b[k]))
+            for k in ("before", "grads", "after"))
+
+    out = []
+    for trace in traces:
+        if not any(same(trace, seen) for seen in out):
+            out.append(trace)
+    return out
+
+
 def assert_params_close(a: dict, b: dict, rtol=1e-4, atol=1e-5) -> None:
     assert a.keys() == b.keys()
     for name in a:
