@@ -62,6 +62,10 @@ def cmd_schema(args) -> int:
 def cmd_plan(args) -> int:
     from specc.plan import build_plan, plan_json, plan_text
 
+    if args.search:
+        from .search import cmd_search
+
+        return cmd_search(args)
     machine, job = _prediction_args(args)
     spec, graph = compile_args(args)
     plan = build_plan(graph)
@@ -89,7 +93,9 @@ def _prediction_args(args):
     """(Machine, Job) of --machine, --num-gpus, --global-batch-size, --use-distributed-optimizer;
     (None, None) without --machine. Checked before anything compiles."""
     given = [flag for flag, value in (("--num-gpus", args.num_gpus), ("--global-batch-size", args.global_batch_size))
-             if value is not None] + (["--use-distributed-optimizer"] if args.use_distributed_optimizer else [])
+             if value is not None] + (["--use-distributed-optimizer"] if args.use_distributed_optimizer else []) + \
+        (["--overlap-param-gather"] if args.overlap_param_gather else []) + \
+        (["--no-overlap-grad-reduce"] if not args.overlap_grad_reduce else [])
     if args.machine is None:
         if given:
             raise SpecError(Loc(given[0]), "has no effect without --machine", "add --machine NAME (specc plan "
@@ -104,7 +110,11 @@ def _prediction_args(args):
     from specc.plan.machine import load_machine
     from specc.plan.time import Job
 
-    return load_machine(args.machine), Job(args.num_gpus, args.global_batch_size, args.use_distributed_optimizer)
+    if args.overlap_param_gather and not args.use_distributed_optimizer and not args.search:
+        raise SpecError(Loc("--overlap-param-gather"), "needs --use-distributed-optimizer (it overlaps the "
+                        "distributed optimizer's parameter all-gather)", "add --use-distributed-optimizer")
+    return load_machine(args.machine), Job(args.num_gpus, args.global_batch_size, args.use_distributed_optimizer,
+                                           args.overlap_grad_reduce, args.overlap_param_gather)
 
 
 def cmd_graph(args) -> int:
@@ -279,6 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Adam's state sharded over the data-parallel ranks (gradients reduce-scattered, "
                    "parameters all-gathered)")
+    g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
+                   help="the data-parallel gradient reduction after backward instead of beside it")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: the parameter all-gather runs until the next forward "
+                   "needs it")
+    g.add_argument("--search", action="store_true",
+                   help="enumerate every layout (tp, sp, cp, pp, vpp, ep, dp, micro-batch size, recompute, "
+                   "distributed optimizer) that fits, ranked by predicted step time; layout flags given fix theirs")
+    g.add_argument("--top", type=int, default=10, metavar="K", help="with --search: how many to show (default 10; "
+                   "0: all)")
     c.set_defaults(func=cmd_plan)
 
     c = sub.add_parser("diff", help="compare two plans (specs with their own flags, or saved plan.json files); "

@@ -51,12 +51,29 @@ class Plan:
 
 
 def build_plan(graph) -> Plan:
-    spec, settings = graph.spec, graph.spec.settings
-    elt = DTYPE_BYTES[settings.dtype]
+    return assemble_plan(graph, plan_entries(graph), graph.spec.settings)
+
+
+def plan_entries(graph) -> list:
+    """One entry per op (unfolded), recompute applied: what does not depend on the pipeline cut."""
+    elt = DTYPE_BYTES[graph.spec.settings.dtype]
     raw = [_entry(graph, op, elt) for op in graph.iter_ops()]
     _recompute(graph, raw)
+    return raw
+
+
+def assemble_plan(graph, raw: list, settings, unpipelined: Plan | None = None) -> Plan:
+    """The Plan of `raw` (plan_entries) under `settings` and graph.pipeline. The layout search
+    (specc/plan/search.py) calls it once per pipeline cut of one compiled graph: the passes
+    before the cut do not read the pipeline settings. `unpipelined`, the same entries' plan at
+    PP 1, lends its folded entries and totals: only the pipeline's part is new (unless layers of
+    several modules fold by module, which happens at PP 1 only)."""
+    spec = graph.spec
+    if unpipelined is not None and graph.pipeline is not None and not any("{" in g for g in unpipelined.groups):
+        totals = {**unpipelined.totals, "pipeline": _pipeline_totals(graph, raw, settings)}
+        return Plan(spec.name, spec.path, spec.source_hash, settings, unpipelined.entries, unpipelined.groups, totals)
     entries, groups = _fold(graph, raw)
-    totals = _totals(graph, raw, elt, settings)
+    totals = _totals(graph, raw, DTYPE_BYTES[settings.dtype], settings)
     return Plan(spec.name, spec.path, spec.source_hash, settings, entries, groups, totals)
 
 

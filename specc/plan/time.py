@@ -42,6 +42,8 @@ class Job:
     num_gpus: int
     global_batch_size: int
     distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = True  # the runtime's default (--no-overlap-grad-reduce: after backward)
+    overlap_param_gather: bool = False  # --overlap-param-gather (with the distributed optimizer)
 
 
 # -- the pieces, each a closed form --------------------------------------------------------------
@@ -108,6 +110,9 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
                         f"= {model}: the data-parallel size would not be whole",
                         f"use a multiple of {model}, e.g. {model * max(1, job.num_gpus // model)}")
     dp = job.num_gpus // model
+    if job.overlap_param_gather and not job.distributed_optimizer:
+        raise SpecError(Loc("--overlap-param-gather"), "needs --use-distributed-optimizer (it overlaps the "
+                        "distributed optimizer's parameter all-gather)", "add --use-distributed-optimizer")
     if dp % ep:
         raise SpecError(Loc(f"--num-gpus {job.num_gpus}"), f"gives a data-parallel size of {dp}, which the "
                         f"expert-parallel size {ep} does not divide", "expert parallelism is carved out of DP")
@@ -162,10 +167,23 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
         full = coll(grad_mode, dense * 4, "dp") + coll(grad_mode, experts * 4, "edp")
         last_axis, last_elements = ("edp", experts) if experts and dp // ep > 1 else ("dp", dense)
         last = coll(grad_mode, min(BUCKET_ELEMENTS, last_elements) * 4, last_axis)
-        window = ranks[r].backward  # the last micro-batch's backward on this rank
-        dp_exposed = last + max(0.0, full - last - window) if full > 0 else 0.0
+        if job.overlap_grad_reduce:  # each bucket starts when its gradients are in: the last one is exposed
+            window = ranks[r].backward  # the last micro-batch's backward on this rank
+            dp_exposed = last + max(0.0, full - last - window) if full > 0 else 0.0
+        else:  # every bucket after backward
+            dp_exposed = full
         gather = (coll("all_gather", dense * elt, "dp") + coll("all_gather", experts * elt, "edp")
                   if job.distributed_optimizer else 0.0)
+        if job.overlap_param_gather:
+            # The runtime starts every bucket's gather at once, in bucket order, and a forward waits
+            # for its module's bucket; buckets hold the parameters in reverse registration order,
+            # so a rank's first module (the embedding, a stage's first layer) is in its last bucket
+            # and waits for all of them (collectives of one group run in order). What hides them is
+            # the pipeline's fill: rank r's first forward starts after the stages before it ran
+            # theirs.
+            fill = sum(per_stage[i].forward + coll("send", stages[i]["send_bytes"], "pp")
+                       for i in range(min(r, len(stages))))
+            gather = max(0.0, gather - fill)
         share = (dense + experts) / max(1, t["parameters"])
         sync = coll("all_reduce", t.get("tp_partial_grad_parameters", 0) * 4 * share, "tp") + \
             coll("all_reduce", t.get("cp_partial_grad_parameters", 0) * 4 * share, "cp")
@@ -196,7 +214,8 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
         "layout": {"tp": tp, "cp": cp, "pp": pp, "vpp": virtual, "ep": ep, "dp": dp,
                    "micro_batch_size": s.micro_batch_size, "sp": s.sp,
                    "recompute": s.recompute_granularity or "none",
-                   "distributed_optimizer": job.distributed_optimizer},
+                   "distributed_optimizer": job.distributed_optimizer,
+                   "overlap_grad_reduce": job.overlap_grad_reduce, "overlap_param_gather": job.overlap_param_gather},
         "global_batch_size": job.global_batch_size, "micro_batches": m,
         "step_time_s": step, "tokens_per_s": job.global_batch_size * tokens_per_sample / step,
         "tflops_per_gpu": flops_model / step / 1e12,
