@@ -9,7 +9,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "megatron", "llama")
 SPEC = os.path.join(ROOT, "specs", "llama-tiny.yaml")
-CONFIG = {"hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 48,
+CONFIG = {"hidden_size": 16, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 24,
           "vocab_size": 128, "seq_length": 8}  # make_fixture.MODEL's, vocab_size Megatron's padded
 SIZES = [arg for key, value in CONFIG.items() for arg in ("--set", f"{key}={value}")]
 
@@ -19,12 +19,12 @@ def test_import_export_and_one_line_errors(specc, tmp_path):
     legacy = os.path.join(FIXTURE, "torch")
     code, stdout, stderr = specc("megatron", "import", legacy, "--spec", SPEC, "--out", ckpt, *SIZES)
     assert (code, stderr) == (0, ""), stderr
-    assert stdout == (f"specc megatron import: {legacy} (torch, 15 tensors, 23,712 parameters) -> "
+    assert stdout == (f"specc megatron import: {legacy} (torch, 15 tensors, 8,016 parameters) -> "
                       f"{ckpt}/step_0000007 (spec llama_tiny, step 7)\n")
     code, stdout, stderr = specc("megatron", "export", ckpt, "--spec", SPEC, "--out", out, *SIZES)
     assert (code, stderr) == (0, ""), stderr
     assert stdout == (f"specc megatron export: {ckpt} (step 7, spec llama_tiny) -> {out}/iter_0000007 (torch_dist, "
-                      "15 tensors, 23,712 parameters; weights only)\n")
+                      "15 tensors, 8,016 parameters; weights only)\n")
     assert sorted(os.listdir(out)) == ["iter_0000007", "latest_checkpointed_iteration.txt"]
 
     def error(*argv) -> str:
@@ -44,8 +44,10 @@ def test_import_export_and_one_line_errors(specc, tmp_path):
                  "--iteration", "9") == f"{FIXTURE}/torch_dist: error: no iter_0000009/ (iteration 9)"
     assert error("export", ckpt, "--spec", SPEC, "--out", out, *SIZES) == (
         f"{out}: error: already exists and is not empty (choose a new directory)")
-    gpt = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
-    assert "declares no Megatron checkpoint mapping" in error("export", ckpt, "--spec", gpt, "--out", fresh)
+    neox = os.path.join(ROOT, "specs", "gpt-neox-tiny.yaml")
+    assert error("export", ckpt, "--spec", neox, "--out", fresh) == (
+        f"{neox}: error: spec gpt_neox_tiny declares no Megatron checkpoint mapping ('megatron: checkpoint: "
+        "params:') (see docs/checkpoints.md; specs/llama.yaml has one)")
     assert not fresh.exists()
 
 

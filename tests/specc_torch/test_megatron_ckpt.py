@@ -2,9 +2,10 @@
 Megatron Core 0.19.2 wrote at TP=2 and the logits it computed from them
 (tests/fixtures/megatron/make_fixture.py; Megatron is not needed here):
 
-- the torch_dist and the legacy checkpoint load into llama.yaml (GQA: 4 heads in 2 query groups,
-  SwiGLU, a vocabulary Megatron padded from 100 to 128) and give Megatron's logits at TP=1, and
-  at TP=2 with SP through a converted specc checkpoint;
+- the torch_dist and the legacy checkpoints load into llama.yaml (GQA: 4 heads in 2 query
+  groups, SwiGLU, a vocabulary Megatron padded from 100 to 128) and gpt.yaml (LayerNorm and
+  biases, learned positions, the tied output layer) and give Megatron's logits at TP=1, and
+  the Llama one at TP=2 with SP through a converted specc checkpoint;
 - export then import gives back Megatron's own tensors bit for bit, with its layer stacking;
 - a spec that does not fit the checkpoint is one line naming the tensor (and the padded vocabulary);
 - the legacy loader runs nothing that a pickle names outside its allow-list.
@@ -26,18 +27,22 @@ from specc_torch.megatron_ckpt import MegatronError, export_megatron, import_meg
 from specc_torch.megatron_ckpt.files import dist_tensors, read_dist, read_legacy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXTURE = os.path.join(ROOT, "tests", "fixtures", "megatron", "llama")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "megatron")
+FIXTURE = os.path.join(FIXTURES, "llama")
 SPEC = os.path.join(ROOT, "specs", "llama-tiny.yaml")
-# make_fixture.MODEL as the spec's config; vocab_size is Megatron's padded 128
-SIZES = {"hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 48,
+# make_fixture.FAMILIES as the specs' config; vocab_size is Megatron's padded one
+SIZES = {"hidden_size": 16, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 24,
          "vocab_size": 128, "seq_length": 8}
-# fp32 logits of size ~5 through 2 layers of 32-48-term dot products: rounding differences of
+FAMILIES = {"llama": (SPEC, SIZES),
+            "gpt": (os.path.join(ROOT, "specs", "gpt-tiny.yaml"),
+                    {"hidden_size": 16, "num_attention_heads": 2, "vocab_size": 64, "seq_length": 8})}
+# fp32 logits of size ~5 through 2 layers of 16-64-term dot products: rounding differences of
 # a few ulps per op (Megatron's and specc's op orders differ) stay far below 1e-4
 TOL = 1e-4
 
 
-def _expected():
-    return torch.load(os.path.join(FIXTURE, "logits.pt"))
+def _expected(family: str = "llama"):
+    return torch.load(os.path.join(FIXTURES, family, "logits.pt"))
 
 
 def _logits(model, pg, tokens) -> torch.Tensor:
@@ -67,21 +72,24 @@ def _load_and_run(rank, world, ckpt, tokens):
 
 
 def test_megatron_checkpoints_give_megatrons_logits(gloo, tmp_path):
-    expected = _expected()
-    pg = runtime.ProcessGroups.single()
-    model = specc_torch.build_model(SPEC, pg, seed=3, overrides=SIZES, micro_batch_size=1)
-    for fmt in ("torch_dist", "torch"):
-        read = read_weights(os.path.join(FIXTURE, fmt), SPEC, SIZES)
-        assert (read["format"], read["iteration"], read["optimizer"]) == (fmt, 7, False)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(read["tensors"][name])
-        assert (_logits(model, pg, expected["tokens"]) - expected["logits"]).abs().max().item() < TOL, fmt
-    # the legacy TP shards, joined, are the global tensors torch_dist holds
-    legacy = read_weights(os.path.join(FIXTURE, "torch"), SPEC, SIZES)["tensors"]
-    assert all(torch.equal(t, read_weights(os.path.join(FIXTURE, "torch_dist"), SPEC, SIZES)["tensors"][n])
-               for n, t in legacy.items())
+    for family, (spec, sizes) in FAMILIES.items():
+        expected = _expected(family)
+        pg = runtime.ProcessGroups.single()
+        model = specc_torch.build_model(spec, pg, seed=3, overrides=sizes, micro_batch_size=1)
+        tensors = {}
+        for fmt in ("torch_dist", "torch"):
+            read = read_weights(os.path.join(FIXTURES, family, fmt), spec, sizes)
+            assert (read["format"], read["iteration"], read["optimizer"]) == (fmt, 7, False)
+            tensors[fmt] = read["tensors"]
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(read["tensors"][name])
+            difference = (_logits(model, pg, expected["tokens"]) - expected["logits"]).abs().max().item()
+            assert difference < TOL, (family, fmt, difference)
+        # the legacy TP shards, joined, are the global tensors torch_dist holds
+        assert all(torch.equal(t, tensors["torch_dist"][n]) for n, t in tensors["torch"].items())
     # converted to a specc checkpoint, it loads at TP=2 with SP and gives the same logits
+    expected = _expected()
     done = import_megatron(os.path.join(FIXTURE, "torch_dist"), SPEC, str(tmp_path / "ckpt"), SIZES)
     assert done["step"] == 7
     for logits in gloo.run(2, _load_and_run, str(tmp_path / "ckpt"), expected["tokens"]):
@@ -118,14 +126,14 @@ def test_a_spec_that_does_not_fit_is_one_line():
     where = os.path.join(FIXTURE, "torch_dist", "iter_0000007")
     # the tokenizer's unpadded vocabulary: the hint gives Megatron's padded size
     assert _error(os.path.join(FIXTURE, "torch_dist"), SPEC, {**SIZES, "vocab_size": 100}) == (
-        f"{where}: embedding.word_embeddings.weight is [128, 32] in the checkpoint, but spec llama_tiny's "
-        "embedding.weight is [100, 32] (Megatron pads the vocabulary to a multiple of "
+        f"{where}: embedding.word_embeddings.weight is [128, 16] in the checkpoint, but spec llama_tiny's "
+        "embedding.weight is [100, 16] (Megatron pads the vocabulary to a multiple of "
         "--make-vocab-size-divisible-by x TP: --set vocab_size=128)")
     # 4 query groups where Megatron saved 2: the fused QKV rows do not add up
     assert _error(os.path.join(FIXTURE, "torch"), SPEC, {**SIZES, "num_query_groups": 4}) == (
         f"{os.path.join(FIXTURE, 'torch', 'iter_0000007')}: decoder.layers.0.self_attention.linear_qkv.weight is "
-        "[64, 32] in the checkpoint, but spec llama_tiny's layers.0.self_attention.linear_qkv.weight is [96, 32] "
-        "(4 query groups of 24 rows)")
+        "[32, 16] in the checkpoint, but spec llama_tiny's layers.0.self_attention.linear_qkv.weight is [48, 16] "
+        "(4 query groups of 12 rows)")
     assert _error(where, SPEC, {**SIZES, "num_layers": 3}) == (
         f"{where}: no tensor decoder.layers.2.self_attention.linear_qkv.layer_norm_weight (for llama_tiny's "
         "layers.2.input_norm.weight)")
