@@ -125,7 +125,6 @@ class Pipeline:
         self.has_last = any(row["post_process"] for row in rows)
         self.loss_scale = 1.0  # fp16: the scale of the step being run (step(loss_scale=...))
         self.weighted = False  # step(weights=...): the target is each token's weight
-        self._masked: list = []  # per micro-batch: the sum of its per-token losses where the weight is not 0
         n = n_microbatches
 
         def loss_fn(per_token_loss, target):
@@ -133,10 +132,14 @@ class Pipeline:
             # the optimizer divides the gradients by the same scale
             loss = per_token_loss.float()
             if not self.weighted:  # the mean over a micro-batch's tokens, 1/m of the step
-                self._masked.append(loss.detach().double().sum())
-                return loss.mean() * (self.loss_scale / n)
-            self._masked.append((loss.detach() * (target != 0)).double().sum())
-            return (loss * target).sum() * self.loss_scale
+                out = loss.mean() * (self.loss_scale / n)
+                out.masked_sum = loss.detach().double().sum()
+            else:
+                out = (loss * target).sum() * self.loss_scale
+                out.masked_sum = (loss.detach() * (target != 0)).double().sum()
+            # kept on the loss the schedule records for the micro-batch (the schedule may call
+            # loss_fn once more on its first step, and only the recorded ones count)
+            return out
 
         multi = len(rows) > 1
         if self.schedule_name in ("1f1b", "gpipe") and multi:
@@ -190,7 +193,7 @@ class Pipeline:
         target = kwargs[self.input_names[-1]] if weights is None else weights
         losses: list = []
         self.loss_scale = float(loss_scale)
-        self.weighted, self._masked = weights is not None, []
+        self.weighted = weights is not None
         self._meter, self._metered = saved_meter, set()
         try:
             if train:
@@ -203,7 +206,7 @@ class Pipeline:
         if self.has_last:
             # in float64, so that dividing by the scale (a power of two) gives back the loss exactly
             total[0] += (torch.stack([x.detach().double() for x in losses]).sum() / loss_scale).cpu()
-            total[1] += torch.stack(self._masked).sum().cpu()
+            total[1] += torch.stack([x.masked_sum for x in losses]).sum().cpu()
         comm.all_reduce(total, self.pg.pp)  # only the last stage holds the loss: the others add zero
         self.masked_sum = total[1:].clone()
         return total[:1].float()

@@ -17,8 +17,9 @@ import torch
 from train_helpers import LLAMA_TINY
 
 from runtime.checkpoint import complete_steps, step_dirname
+from runtime.init import init_name
 from runtime.parallel_state import ProcessGroups
-from runtime.train.config import OptimizerConfig, TrainConfig, resolve
+from runtime.train.config import OptimizerConfig, ParallelConfig, TrainConfig, resolve
 from runtime.train.training import (
     embedding_and_output_weights,
     lm_forward_step,
@@ -31,11 +32,11 @@ from specc_torch.train import compile_model, run
 VOCAB, SEQ = 256, 32
 
 
-def _cfg(world: int, **opt) -> TrainConfig:
+def _cfg(world: int, pp: int = 1, **opt) -> TrainConfig:
     # llama-tiny: no dropout, so every forward of the same weights gives the same loss
-    cfg = TrainConfig(spec=LLAMA_TINY, micro_batch_size=2, global_batch_size=4 * world,
-                      optimizer=OptimizerConfig(clip_grad=0.0, weight_decay=0.0, **opt))
-    assert resolve(cfg, world) == [] and cfg.num_micro_batches == 2
+    cfg = TrainConfig(spec=LLAMA_TINY, micro_batch_size=2, global_batch_size=8 if pp > 1 else 4 * world,
+                      parallel=ParallelConfig(pp=pp), optimizer=OptimizerConfig(clip_grad=0.0, weight_decay=0.0, **opt))
+    assert resolve(cfg, world) == [] and cfg.num_micro_batches == 2 * pp
     return cfg
 
 
@@ -50,24 +51,28 @@ def _batches(rank: int) -> list:
     return out
 
 
-def _dp_steps(rank, world):
-    """One step per loss mode at lr 0 (the weights stay): the reported loss, every gradient."""
-    pg = ProcessGroups.initialize(tp=1)
+def _steps(rank, world, pp):
+    """One step per loss mode at lr 0 (the weights stay): the reported loss, every gradient (by
+    its PP = 1 name). DP 2: each rank its own micro-batches; PP 2: all four through the pipeline."""
+    pg = ProcessGroups.initialize(tp=1, pp=pp)
     try:
-        cfg = _cfg(world)
+        cfg = _cfg(world, pp)
         compiled = compile_model(cfg)
         out = {}
         for per_token in (True, False):
             setup = setup_model_and_optimizer(cfg, pg, compiled=compiled)
-            result = train_step(setup, _batches(rank), 0.0, pg, per_token_loss=per_token)
-            out[per_token] = (result.loss, {n: p.main_grad.clone() for n, p in setup.model.named_parameters()})
+            batches = _batches(0) + _batches(1) if pp > 1 else _batches(rank)
+            result = train_step(setup, batches, 0.0, pg, per_token_loss=per_token)
+            out[per_token] = (result.loss, {init_name(n, p): p.main_grad.clone()
+                                            for n, p in setup.model.named_parameters()})
         return out
     finally:
         pg.destroy()
 
 
-def test_per_token_loss_at_dp2_with_uneven_masks_is_megatrons(gloo):
-    got = gloo.run(2, _dp_steps)
+@pytest.mark.parametrize("pp", [1, 2], ids=["dp2", "pp2"])
+def test_per_token_loss_with_uneven_masks_is_megatrons(gloo, pp):
+    got = gloo.run(2, _steps, pp)
     cfg = _cfg(1)
     setup = setup_model_and_optimizer(cfg, ProcessGroups.single(), compiled=compile_model(cfg))
     model = setup.model
@@ -86,11 +91,14 @@ def test_per_token_loss_at_dp2_with_uneven_masks_is_megatrons(gloo):
         for rank in got:
             got_loss, grads = rank[per_token]
             assert got_loss == pytest.approx(reported, rel=1e-6)
+            assert grads  # every stage's parameters, at PP 2 each rank its own
             for name, p in model.named_parameters():  # fp32 sums in another order: a few ulps of the largest
-                want = p.main_grad
-                torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+                if name in grads:
+                    want = p.main_grad
+                    torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
     # the two modes differ where the masks are uneven
     assert not torch.allclose(got[0][True][1]["embedding.weight"], got[0][False][1]["embedding.weight"], rtol=1e-3)
+    assert len(set(got[0][True][1]) | set(got[1][True][1])) == len(dict(model.named_parameters()))
 
 
 def test_eod_mask_loss_is_megatrons_loss_mask():
