@@ -158,3 +158,30 @@ def test_the_legacy_loader_runs_nothing_outside_its_allow_list(tmp_path, monkeyp
     shards, optimizer = read_legacy(str(tmp_path / "iter_0000001"))
     assert not mark.exists() and not optimizer
     assert torch.equal(shards[(0, 0)]["decoder.final_layernorm.weight"], weight)
+
+
+def test_legacy_pipeline_stages_are_renumbered(tmp_path):
+    """Megatron's legacy TP=2 files cut into PP=2 stages as its training loop saves them
+    (mp_rank_TT_PPP, each stage numbering its layers from 0, with optimizer state): the same
+    weights as the TP-only files, and the optimizer state reported, not read."""
+    from specc_torch.megatron_ckpt.files import LEGACY_FILE, safe_torch_load
+
+    source = os.path.join(FIXTURE, "torch", "iter_0000007")
+    for tp in (0, 1):
+        state = safe_torch_load(os.path.join(source, f"mp_rank_{tp:02d}", LEGACY_FILE))
+        for pp in (0, 1):
+            model = {}
+            for name, t in state["model"].items():
+                if name.startswith(f"decoder.layers.{pp}."):
+                    model[name.replace(f"decoder.layers.{pp}.", "decoder.layers.0.")] = t
+                elif (pp == 0) == name.startswith("embedding."):
+                    model[name] = t
+            folder = tmp_path / "iter_0000007" / f"mp_rank_{tp:02d}_{pp:03d}"
+            folder.mkdir(parents=True)
+            torch.save({"model": model, "iteration": 7, "optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}}},
+                       folder / LEGACY_FILE)
+    staged = read_weights(str(tmp_path / "iter_0000007"), SPEC, SIZES)
+    assert staged["optimizer"] and staged["iteration"] == 7
+    whole = read_weights(os.path.join(FIXTURE, "torch"), SPEC, SIZES)["tensors"]
+    assert staged["tensors"].keys() == whole.keys()
+    assert all(torch.equal(staged["tensors"][n], whole[n]) for n in whole)
