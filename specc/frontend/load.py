@@ -613,7 +613,7 @@ def _check_arity(e, targets, m: ModuleDef, modules: dict, top: bool) -> None:
 # -- the Hugging Face mapping (`hf:`), read by specc_torch/hf and `specc hf import|export` ------------
 
 HF_KEYS = {"architecture", "config", "export_config", "import_config", "import_defaults", "rotary", "params", "ignore", "layer_types"}
-HF_PARAM_KEYS = {"specc", "hf", "transpose", "rotary", "permute", "layer_offset"}
+HF_PARAM_KEYS = {"specc", "hf", "transpose", "rotary", "permute"}
 HF_ROTARY_LAYOUTS = ("rotate_half", "interleaved")
 
 
@@ -749,12 +749,6 @@ def _hf_params(params, loc: Loc, value) -> None:
                                 "one per 'hf' name", "which tensors hold rotary q/k heads")
         if "permute" in entry:
             _hf_permute(entry["permute"], entry.value_loc("permute"), value)
-        if "layer_offset" in entry:
-            offset = value(entry["layer_offset"], entry.value_loc("layer_offset"))
-            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or not holes:
-                raise SpecError(entry.value_loc("layer_offset"), "'layer_offset' must be an integer of at least 0 on "
-                                f"an entry whose names have {{i}}, got {_clip(offset)}",
-                                "HF layer {i} + offset is specc's layer {i} (a second repeat after dense first layers)")
 
 
 PERMUTE_HINT = "e.g. permute: {groups: ${num_attention_heads}, sections: [${head_dim}, ${head_dim}, ${head_dim}]}"

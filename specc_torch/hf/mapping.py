@@ -16,8 +16,6 @@ the parameters of the compiled model.
         - {specc: "layers.{i}.mlp.linear_fc1.weight", hf: "transformer.h.{i}.mlp.c_fc.weight", transpose: true}
         - specc: "layers.{i}.mlp.experts.linear_fc1.weight"          # stacked experts [E, 2F, h]
           hf: ["model.layers.{i}.mlp.experts.{e}.w1.weight", ...]    # {e}: one tensor per expert, stacked
-        - {specc: "moe_layers.{i}.mlp.router.weight", hf: "model.layers.{i}.mlp.gate.weight", layer_offset: 3}
-                                                                     # HF layer {i} + 3: after 3 dense layers
         - specc: "layers.{i}.self_attention.linear_qkv.weight"      # HF rows: per head [q_h | k_h | v_h]
           hf: "gpt_neox.layers.{i}.attention.query_key_value.weight"
           permute: {groups: "${num_attention_heads}", sections: ["${head_dim}", "${head_dim}", "${head_dim}"]}
@@ -47,7 +45,6 @@ class Entry:
     loc: Loc
     experts: bool = False  # hf names hold {e}: one tensor per expert, stacked on the parameter's dim 0
     permute: tuple | None = None  # (groups, sections): HF rows are groups of [s0 | s1 | ...]
-    layer_offset: int = 0  # HF's layer index is specc's {i} + this (a repeat after other layers)
 
     def regex(self) -> re.Pattern:
         return re.compile(re.escape(self.specc).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
@@ -121,13 +118,9 @@ def mapping_of(spec) -> Mapping:
             at = raw.value_loc("permute") if hasattr(raw, "value_loc") else loc
             p = _evaluate(raw["permute"], at, spec)
             permute = (int(p["groups"]), tuple(int(x) for x in p["sections"]))
-        offset = 0
-        if raw.get("layer_offset") is not None:
-            offset = int(_evaluate(raw["layer_offset"], raw.value_loc("layer_offset") if hasattr(raw, "value_loc")
-                                   else loc, spec))
         entries.append(Entry(str(raw["specc"]), names, fused, bool(raw.get("transpose", False)), flags,
                              raw.value_loc("specc") if hasattr(raw, "value_loc") else loc,
-                             experts=any("{e}" in n for n in names), permute=permute, layer_offset=offset))
+                             experts=any("{e}" in n for n in names), permute=permute))
     return Mapping(
         architecture=str(hf["architecture"]) if hf.get("architecture") is not None else None,
         config=_evaluate(hf.get("config") or {}, loc, spec),
@@ -159,8 +152,6 @@ def bind(mapping: Mapping, names, spec_name: str) -> dict:
                 raise SpecError(entry.loc, f"parameter '{name}' is mapped by both '{bound[name][0].specc}' and "
                                 f"'{entry.specc}'")
             index = m.groupdict().get("i")
-            if index is not None:
-                index = str(int(index) + entry.layer_offset)
             bound[name] = (entry, [h.replace("{i}", index) if index is not None else h for h in entry.hf])
             used.add(id(entry))
     for entry in mapping.entries:
