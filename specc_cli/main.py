@@ -20,7 +20,7 @@ from specc_cli.args import (
     spec_flags,
 )
 
-from . import data, hf, megatron_ckpt, plot, train
+from . import calibrate, data, hf, megatron_ckpt, plot, train
 
 
 def compile_args(args):
@@ -371,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("generated", nargs="?", default="generated", help="the generated root (default generated/)")
     c.set_defaults(func=cmd_check)
 
-    for module in (train, data, plot, hf, megatron_ckpt):  # each command in its own module
+    for module in (train, data, plot, hf, megatron_ckpt, calibrate):  # each command in its own module
         module.add_parsers(sub)
     return p
 

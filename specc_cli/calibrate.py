@@ -1,0 +1,232 @@
+"""`specc calibrate [--ranks N] [-o PROFILE.yaml]`: measure the machine this runs on with the
+project's own runtime and write a machine profile that `specc plan --machine PROFILE.yaml` reads
+(specc/plan/machine.py; docs/planning.md, "Calibrating").
+
+N ranks start as `specc train --nproc-per-node N` would start them (torch.distributed on gloo,
+the data-parallel group's transport picked by runtime.ProcessGroups: shared memory when the host
+has a core per rank), each with the threads a training rank gets (cores / N), and measure at the
+same time, so ranks sharing cores measure the share they get:
+
+* GEMM time of square matrix multiplies by size, per dtype: fitted by least squares to the time
+  model's t = (F + F_half) / R, so R is the dtype's peak (efficiency 1) and F_half the fixed cost
+  of a kernel in FLOPs (from fp32);
+* memory-bound kernels: an add and a GELU over activation-sized tensors, bytes read and written
+  over time (efficiency 1);
+* the all-reduce over the N ranks by size: fitted to the ring's t = 2(N-1) latency +
+  2(N-1)/N bytes / bandwidth (the one link of one host: intra- and inter-node alike).
+
+The slowest rank's time counts at every point. Imports torch when it runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+
+from specc.errors import Loc, SpecError
+
+GEMM_SIZES = {"fp32": (128, 192, 256, 384, 512, 768), "bf16": (64, 96, 128, 192, 256),
+              "fp16": (64, 96, 128, 192, 256)}  # 16-bit matmuls are slow on CPUs without matrix units
+DTYPES = ("fp32", "bf16", "fp16")
+ELEMENTWISE = (1 << 18, 1 << 20)  # elements: activation-sized tensors of small models
+ALL_REDUCE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
+
+
+def _slowest(seconds: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of fn() after one warm-up, every rank starting together (the slowest counts)."""
+    import torch.distributed as dist
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return _slowest(statistics.median(times))
+
+
+def _fit(xs: list, ys: list) -> tuple:
+    """Least squares y = a + b x: (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from runtime import comm
+    from runtime.parallel_state import ProcessGroups
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    pg = ProcessGroups.initialize(dp=world)
+    reps = 3 if quick else 7
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    gemm = {}
+    for name in DTYPES:
+        points = []
+        for n in GEMM_SIZES[name]:
+            a = torch.randn(n, n, dtype=dt[name])
+            b = torch.randn(n, n, dtype=dt[name])
+            points.append((2.0 * n ** 3, _timed(lambda: torch.mm(a, b), reps)))
+        gemm[name] = points
+    memory = []
+    for n in ELEMENTWISE:
+        x, y, z = torch.randn(n), torch.randn(n), torch.empty(n)
+        memory.append((3 * 4 * n, _timed(lambda: torch.add(x, y, out=z), reps)))
+        memory.append((2 * 4 * n, _timed(lambda: torch.nn.functional.gelu(x), reps)))
+    collectives = []
+    if world > 1:
+        for nbytes in ALL_REDUCE_BYTES:
+            t = torch.ones(nbytes // 4)
+            collectives.append((nbytes, _timed(lambda: comm.all_reduce(t, pg.dp), reps)))
+    rss = 0
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        pass
+    if rank == 0:
+        out.update(gemm=gemm, memory=memory, collectives=collectives, rss=rss,
+                   transport=pg.transport_summary(), threads=torch.get_num_threads())
+    dist.barrier()
+    pg.destroy() if hasattr(pg, "destroy") else None
+    dist.destroy_process_group()
+
+
+def _entry(rank, world, port, quick, queue):
+    out = {}
+    try:
+        _rank(rank, world, port, quick, out)
+    except BaseException as e:  # noqa: BLE001 - reported by the parent in one line
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+    if rank == 0:
+        queue.put((0, out))
+
+
+def measure(ranks: int, quick: bool = False) -> dict:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(r, ranks, port, quick, queue)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    got = None
+    try:
+        while got is None:
+            rank, value = queue.get(timeout=600)
+            if isinstance(value, str):
+                raise SpecError(Loc("specc calibrate"), f"rank {rank} failed: {value}")
+            got = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+def profile_yaml(m: dict, ranks: int, name: str) -> str:
+    """The profile of measurements `m`, every number with where it came from."""
+    fits = {d: _fit([f for f, _ in pts], [t for _, t in pts]) for d, pts in m["gemm"].items()}
+    peak = {d: 1.0 / b for d, (a, b) in fits.items()}
+    a32, b32 = fits["fp32"]
+    half = max(0.0, a32 / b32)
+    bandwidth = statistics.median(nbytes / t for nbytes, t in m["memory"])
+    if m["collectives"]:
+        a, b = _fit([x for x, _ in m["collectives"]], [t for _, t in m["collectives"]])
+        steps, share = 2 * (ranks - 1), 2 * (ranks - 1) / ranks
+        latency, link_bw = max(a, 1e-7) / steps, share / b
+    else:
+        latency, link_bw = 1e-6, bandwidth
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 8 << 30
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    g = lambda d: "  ".join(f"{int(f ** (1 / 3) / 2 ** (1 / 3) + 0.5)}:{t * 1e3:.3f}ms" for f, t in m["gemm"][d])  # noqa: E731
+    lines = [
+        f"# Measured by `specc calibrate --ranks {ranks}` on {socket.gethostname()}, {when}: {os.cpu_count()} cores,",
+        f"# {m['threads']} thread(s) per rank; {m['transport']}",
+        "# A 'device' is one rank; the peaks are the rates measured with every rank busy at once.",
+        f"name: {name}",
+        f"description: this host as {ranks} training ranks (specc calibrate)",
+        f"devices_per_node: {ranks}",
+        "device:",
+        "  name: cpu-rank",
+        "  peak_flops:                       # t = (F + F_half) / R fitted to square GEMMs, n:median time",
+    ]
+    for d in DTYPES:
+        lines.append(f"    {d}: {peak[d]:.4e}                  # {g(d)}")
+    lines.append(f"    tf32: {peak['fp32']:.4e}                # the CPU has no TF32: fp32's")
+    lines += [
+        f"  memory_bytes: {ram / ranks:.4e}           # the host's RAM over the ranks",
+        f"  memory_bandwidth: {bandwidth:.4e}       # median of add and GELU, bytes read + written / time: "
+        + "  ".join(f"{n / t / 1e9:.1f}GB/s" for n, t in m["memory"]),
+        "intra_node:",
+        "  name: " + ("shared memory" if "shared memory" in m["transport"] else "gloo (loopback)"),
+        f"  bandwidth: {link_bw:.4e}              # ring all-reduce fitted by size: "
+        + "  ".join(f"{n}B:{t * 1e3:.3f}ms" for n, t in m["collectives"]),
+        f"  latency: {latency:.4e}                # per ring step",
+        "inter_node:                         # one host: the same link",
+        "  name: same host",
+        f"  bandwidth: {link_bw:.4e}",
+        f"  latency: {latency:.4e}",
+        "efficiency:                         # the peaks above are measured rates: nothing fitted on top",
+        "  gemm: 1.0",
+        f"  gemm_half_flops: {half:.4e}         # fp32's fixed cost per GEMM, in FLOPs",
+        "  memory: 1.0",
+        "  link: 1.0",
+        f"framework_memory_bytes: {m['rss']:.4e}     # resident memory of a rank with torch and the runtime loaded",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_calibrate(args) -> int:
+    if args.ranks < 1:
+        raise SpecError(Loc(f"--ranks {args.ranks}"), "must be at least 1")
+    out = args.output
+    if os.path.isdir(out):
+        raise SpecError(Loc(f"-o {out}"), "is a folder", "give the profile file's path, e.g. machine.yaml")
+    m = measure(args.ranks, args.quick)
+    text = profile_yaml(m, args.ranks, args.name or os.path.splitext(os.path.basename(out))[0])
+    tmp = out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:  # whole or nothing
+        f.write(text)
+    os.replace(tmp, out)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def add_parsers(sub) -> None:
+    c = sub.add_parser("calibrate", help="measure this machine (GEMM, memory, collectives on N local ranks) and "
+                       "write a machine profile for specc plan --machine (imports torch)")
+    c.add_argument("--ranks", type=int, default=2, metavar="N", help="local ranks to measure with (default 2)")
+    c.add_argument("-o", "--output", default="machine.yaml", metavar="FILE", help="profile to write (default "
+                   "machine.yaml)")
+    c.add_argument("--name", default=None, help="the profile's name (default: the file's)")
+    c.add_argument("--quick", action="store_true", help="fewer repeats per point")
+    c.set_defaults(func=cmd_calibrate)

@@ -1,0 +1,35 @@
+"""`specc calibrate`'s profile (specc_cli/calibrate.py) from measurements that follow the time
+model's closed forms exactly: the profile `--machine` reads gives back their constants."""
+
+from __future__ import annotations
+
+import pytest
+
+from specc.plan.machine import load_machine
+from specc.plan.time import collective_time, gemm_time
+from specc_cli.calibrate import ALL_REDUCE_BYTES, DTYPES, ELEMENTWISE, GEMM_SIZES, profile_yaml
+
+
+def test_profile_recovers_the_constants(tmp_path):
+    rate = {"fp32": 40e9, "bf16": 5e9, "fp16": 4e9}
+    half, bandwidth, latency, link, ranks = 3e6, 12e9, 2e-4, 3e9, 4
+    measured = {
+        "gemm": {d: [(2.0 * n ** 3, (2.0 * n ** 3 + half) / rate[d]) for n in GEMM_SIZES[d]] for d in DTYPES},
+        "memory": [(k * 4 * n, k * 4 * n / bandwidth) for n in ELEMENTWISE for k in (3, 2)],
+        "collectives": [(b, 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * b / link) for b in ALL_REDUCE_BYTES],
+        "rss": 4e8, "threads": 1, "transport": "collectives on CPU tensors: through torch.distributed",
+    }
+    path = tmp_path / "cpu.yaml"
+    path.write_text(profile_yaml(measured, ranks, "cpu"))
+    m = load_machine(str(path))
+    assert m.devices_per_node == ranks and m.gemm_efficiency == m.memory_efficiency == m.link_efficiency == 1.0
+    for d in DTYPES:
+        assert m.peak(d) == pytest.approx(rate[d], rel=1e-3)
+    assert m.gemm_half_flops == pytest.approx(half, rel=1e-3)
+    assert m.memory_bandwidth == pytest.approx(bandwidth, rel=1e-3)
+    assert m.intra_node.latency == pytest.approx(latency, rel=1e-3) and m.intra_node.bandwidth == pytest.approx(link, rel=1e-3)
+    # and the time model reads them back as measured
+    f = 2.0 * 256 ** 3
+    assert gemm_time(f, m, "fp32") == pytest.approx((f + half) / rate["fp32"], rel=1e-3)
+    assert collective_time("all_reduce", 1 << 20, ranks, m.intra_node, 1.0) == pytest.approx(
+        measured["collectives"][2][1], rel=1e-3)
