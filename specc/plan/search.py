@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import Loc, SpecError
+from ..layouts import DTYPE_BYTES
 from ..passes.pipeline import cut_pipeline
 from ..pipeline import load_and_compile
-from .build import assemble_plan, plan_entries
+from .build import OPT_BYTES, assemble_plan, plan_entries
 from .render import human_bytes
 from .time import LABELS, Job, predict
 
@@ -56,6 +57,7 @@ class Result:
     compiled: int = 0
     pruned: dict = field(default_factory=dict)  # reason -> [count, example layout text]
     smallest_misfit: tuple | None = None  # (bytes, layout dict) of the smallest that did not fit
+    floor_misfit: tuple | None = None  # (lower bound, layout) of the smallest pruned before compiling
     seconds: float = 0.0
     cpu_seconds: float = 0.0
 
@@ -134,6 +136,7 @@ def search(path: str, base, overrides, machine, num_gpus: int, global_batch_size
     dpn = machine.devices_per_node
     tps = choices("tp", [t for t in _divisors(dpn) if num_gpus % t == 0])
     experts = None  # whether the spec has expert weights: known after the first compile
+    params_seen = 0  # the most parameters one rank of a compiled layout holds: at most the model's
     compiled: dict = {}
 
     def compile_key(key):
@@ -186,18 +189,44 @@ def search(path: str, base, overrides, machine, num_gpus: int, global_batch_size
                                     res.prune("the global batch is not a multiple of micro-batch size x dp",
                                               lay, len(pps))
                                     continue
+                                floor = _state_floor(params_seen, tp, ep, pps, rest, base.dtype, machine, fixed)
+                                if floor > machine.memory_bytes:
+                                    res.prune(f"does not fit in {human_bytes(machine.memory_bytes)} per GPU: the "
+                                              "weights, gradients and Adam state alone, at every pipeline size "
+                                              "(not compiled)", lay, len(pps))
+                                    if res.floor_misfit is None or floor < res.floor_misfit[0]:
+                                        res.floor_misfit = (floor, {**lay, "pp": max(pps)})
+                                    continue
                                 got = compile_key((tp, sp, cp, cpct, ep, mbs, rc))
                                 if isinstance(got, SpecError):
                                     res.prune(f"the model refuses it: {got.what}", lay, len(pps))
                                     continue
                                 if experts is None and ep == 1:
                                     experts = bool(got[5].totals.get("expert_parameters"))
+                                params_seen = max(params_seen, got[5].totals["parameters"])
                                 _pipelines(res, got, lay, pps, rest, machine, num_gpus, global_batch_size,
                                            fixed, overlap_param_gather)
     res.candidates.sort(key=lambda c: (c[0]["step_time_s"], _order(c[1])))
     res.seconds = time.perf_counter() - start
     res.cpu_seconds = time.process_time() - cpu
     return res
+
+
+def _state_floor(params: int, tp: int, ep: int, pps: list, rest: int, dtype: str, machine, fixed) -> float:
+    """A lower bound on the bytes per GPU of every layout of a compile key, before compiling it:
+    the fullest rank holds at least its share of the parameters (the model's, at least `params`,
+    over tp x pp, and x ep for expert weights, counted as if all were), each with its weight,
+    fp32 gradient and Adam state (over DP with the distributed optimizer), plus the framework's
+    allowance; activations add to it. Layouts above it cannot fit: no need to compile them."""
+    if not params:
+        return 0.0
+    dist_ok = fixed.distributed_optimizer is not False
+    best = float("inf")
+    for pp in pps:
+        dp = rest // pp
+        per = DTYPE_BYTES[dtype] + 4 + OPT_BYTES[dtype] / (dp if dist_ok else 1)
+        best = min(best, params / (tp * pp * ep) * per)
+    return best + machine.framework_memory_bytes
 
 
 def _order(lay: dict) -> tuple:
@@ -263,6 +292,12 @@ def _pipelines(res, got, lay, pps, rest, machine, num_gpus, batch, fixed, overla
 
 
 def no_fit_error(res: Result, machine, num_gpus: int) -> SpecError:
+    if res.smallest_misfit is None and res.floor_misfit is not None:
+        need, lay = res.floor_misfit
+        return SpecError(Loc(f"--machine {machine.source}"), f"no layout fits in {human_bytes(machine.memory_bytes)} "
+                         f"per GPU: the smallest need is over {human_bytes(need)} per GPU ({layout_text(lay)}: "
+                         "weights, gradients and Adam state alone)",
+                         "use more GPUs, a smaller global batch, or a machine with more memory")
     if res.smallest_misfit is None:
         reasons = "; ".join(f"{n} {why}" for why, (n, _) in sorted(res.pruned.items(), key=lambda x: -x[1][0]))
         return SpecError(Loc(f"--num-gpus {num_gpus}"), f"no layout is legal on {num_gpus} GPUs: {reasons or 'none'}",
@@ -282,10 +317,10 @@ def _why(pred: dict, lay: dict, other) -> str:
     diff = [k for k in SHORT if lay[k] != olay[k]]
     gains = {k: opred["breakdown_s"].get(k, 0.0) - v for k, v in pred["breakdown_s"].items()}
     part = max(gains, key=lambda k: (gains[k], k))
-    text = ", ".join(f"{k} {_short(olay[k])}->{_short(lay[k])}" for k in diff)
+    text = ", ".join(f"{k} {_short(olay[k])}" for k in diff)
     if gains[part] <= 0:
-        return f"ties the next ({text})"
-    return f"{LABELS[part].split(' (')[0]} -{gains[part]:.3g} s vs the next ({text})"
+        return f"ties the next, which has {text}"
+    return f"{gains[part]:.3g} s less {LABELS[part].split(' (')[0]} than the next, which has {text}"
 
 
 def _short(v) -> str:
