@@ -64,7 +64,7 @@ def _suspects(tok) -> str:
     if not patterns:
         return f"the tokenizer ({where}) does not finish on it"
     if len(patterns) == 1:
-        return f"the split pattern {patterns[0]!r} of {where} backtracks catastrophically on it"
+        return f"the pattern {patterns[0]!r} of {where} backtracks catastrophically on it"
     shown = ", ".join(repr(p) for p in patterns)
     return f"one of the patterns {shown} of {where} backtracks catastrophically on it"
 

@@ -261,12 +261,12 @@ def test_a_tokenizer_pattern_that_backtracks_without_end_stops_in_bounded_time(t
     error, seconds = run([slow])
     assert isinstance(error, DataError), error
     assert str(error).startswith(f"{slow}: tokenizing stopped at its time limit (")
-    assert str(error).endswith(f"characters: --tokenize-time-limit 1 s plus 1 s per 10,000 characters); the split "
+    assert str(error).endswith(f"characters: --tokenize-time-limit 1 s plus 1 s per 10,000 characters); the "
                                f"pattern '(a+)+$' of HuggingFaceTokenizer {tok.path} backtracks catastrophically on it")
     assert seconds < 10 and "\n" not in str(error)
     error, _ = run([panics], time_limit=20)  # Oniguruma's retry limit, not ours: well within it
     assert str(error) == (f"{panics}: the tokenizer failed on it (Onig: Regex search error: retry-limit-in-match "
-                          f"over): the split pattern '(a+)+$' of HuggingFaceTokenizer {tok.path} backtracks "
+                          f"over): the pattern '(a+)+$' of HuggingFaceTokenizer {tok.path} backtracks "
                           "catastrophically on it")
     assert sorted(os.listdir(tmp_path)) == before  # nothing written, no temporary left
     # the command: the same line, exit 2; the limit is a positive number of seconds
@@ -277,7 +277,7 @@ def test_a_tokenizer_pattern_that_backtracks_without_end_stops_in_bounded_time(t
     assert main(argv + ["1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {slow}: tokenizing stopped at its time limit (") and len(err.splitlines()) == 1
-    assert "the split pattern '(a+)+$' of HuggingFaceTokenizer" in err
+    assert "the pattern '(a+)+$' of HuggingFaceTokenizer" in err
     assert main(argv + ["0"]) == 2
     assert capsys.readouterr().err == "error: --tokenize-time-limit must be a positive number of seconds, got 0.0\n"
     assert sorted(os.listdir(tmp_path)) == before
