@@ -73,3 +73,15 @@ def test_train_starts_from_a_megatron_checkpoint_with_finetune(specc, tmp_path):
     saved = read_tensors(str(tmp_path / "save"))
     megatron = read_weights(os.path.join(FIXTURE, "torch"), SPEC, CONFIG)["tensors"]
     assert saved.keys() == megatron.keys() and all(torch.equal(saved[n], megatron[n]) for n in saved)
+
+
+def test_a_malformed_checkpoint_block_is_a_located_error(specc, tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(f"extends: {SPEC}\nmegatron:\n  checkpoint:\n    params:\n      - {{specc: embedding.weight}}\n"
+                    "    ignores: []\n")
+    code, stdout, stderr = specc("validate", spec)
+    assert code == 2 and stderr == (f"{spec}:6:5: error: unknown key 'ignores' in 'megatron.checkpoint' "
+                                    "(did you mean 'ignore'?)\n"), stderr
+    spec.write_text(f"extends: {SPEC}\nmegatron:\n  checkpoint:\n    params:\n      - {{specc: embedding.weight}}\n")
+    code, stdout, stderr = specc("validate", spec)
+    assert code == 2 and stderr.startswith(f"{spec}:5:9: error: 'megatron' must be a parameter name"), stderr
