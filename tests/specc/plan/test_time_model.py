@@ -257,3 +257,19 @@ def _solve(a, b):
                 f = m[r][c] / m[c][c]
                 m[r] = [x - f * y for x, y in zip(m[r], m[c])]
     return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def test_overlap_flags():
+    """--no-overlap-grad-reduce: the whole ring all-reduce of the fp32 gradients after backward.
+    --overlap-param-gather: the first forward waits for every bucket (the runtime's bucket
+    order), so at PP 1 nothing is hidden."""
+    plan, seq = plan_of(overrides=[("hidden_size", 512)])  # more parameters than one 4M-element bucket
+    p = plan.totals["parameters"]
+    late = predict(plan, seq, A100, Job(4, 4, overlap_grad_reduce=False))
+    assert late["breakdown_s"]["dp_grad_reduce"] == pytest.approx(
+        collective_time("all_reduce", p * 4, 4, A100.intra_node, A100.link_efficiency), rel=1e-12)
+    assert predict(plan, seq, A100, Job(4, 4))["breakdown_s"]["dp_grad_reduce"] < late["breakdown_s"]["dp_grad_reduce"]
+    dist = predict(plan, seq, A100, Job(4, 4, True))
+    assert predict(plan, seq, A100, Job(4, 4, True, overlap_param_gather=True))["step_time_s"] == dist["step_time_s"]
+    with pytest.raises(SpecError, match="needs --use-distributed-optimizer"):
+        predict(plan, seq, A100, Job(4, 4, overlap_param_gather=True))
