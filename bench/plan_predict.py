@@ -23,7 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.benchdoc import replace_section  # noqa: E402
+from benchdoc import replace_section  # noqa: E402
 
 SPEC = os.path.join(ROOT, "specs", "gpt.yaml")
 RANKS = 2

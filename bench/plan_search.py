@@ -32,17 +32,28 @@ def main(argv=None) -> int:
     p.add_argument("--sp", action="store_true", help="fix SP on")
     p.add_argument("--cp", type=int, default=None, help="fix CP (default: searched)")
     p.add_argument("--machine", default="dgx-a100-80gb")
+    p.add_argument("--write-doc", action="store_true", help="put the result in docs/benchmarks.md")
     args = p.parse_args(argv)
     machine = load_machine(args.machine)
     fixed = Fixed(tp=args.tp, sp=True if args.sp else None, cp=args.cp)
     res = search(SPEC, Settings(), [(k, v, Loc("--set")) for k, v in GPT3], machine, args.num_gpus,
                  args.global_batch_size, fixed)
-    sys.stdout.write(search_text(res, machine, "specs/gpt.yaml (96 layers, h 12288)", args.num_gpus,
-                                 args.global_batch_size, 5))
-    print(f"\n{res.evaluated} layouts predicted, {res.compiled} compiles, {len(res.candidates)} fit; "
-          f"{res.cpu_seconds:.1f} s CPU, {res.seconds:.1f} s wall")
-    print(f"candidates/min: {60 * res.evaluated / res.cpu_seconds:,.0f} per CPU minute, "
-          f"{60 * res.evaluated / res.seconds:,.0f} per wall minute")
+    text = search_text(res, machine, "specs/gpt.yaml (96 layers, h 12288)", args.num_gpus, args.global_batch_size, 5)
+    summary = (f"{res.evaluated} layouts predicted, {res.compiled} compiles, {len(res.candidates)} fit; "
+               f"{res.cpu_seconds:.1f} s CPU, {res.seconds:.1f} s wall\n"
+               f"candidates/min: {60 * res.evaluated / res.cpu_seconds:,.0f} per CPU minute, "
+               f"{60 * res.evaluated / res.seconds:,.0f} per wall minute")
+    sys.stdout.write(text + "\n" + summary + "\n")
+    if args.write_doc:
+        from benchdoc import replace_section
+
+        given = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if a != "--write-doc")
+        replace_section(os.path.join(ROOT, "docs", "benchmarks.md"), "\n".join([
+            "## Plan search: candidates per minute", "",
+            f"`python bench/plan_search.py {given}`: `specc plan --search` in process on GPT-3 175B's sizes "
+            "(96 layers), on one core (the CPU minute is this process's; the wall minute counts the other jobs "
+            "sharing the machine). Target: at least 1,000 candidates a minute.", "", "```", text.rstrip(), "",
+            summary, "```", ""]))
     return 0
 
 
