@@ -16,21 +16,12 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
     return torch.pow(F.relu(x), 2)
 
 
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu": gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "squared_relu": squared_relu,
-}
-
-
 def glu(*x: torch.Tensor, activation: str) -> torch.Tensor:
     """A gated unit: act(gate) * up, from one [gate | up] value (halved along the last dim, as
     swiglu) or from two values gate, up. A column-parallel gate+up projection is sharded per
     segment, so its local output is [gate_local | up_local] and this works on shards unchanged."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"glu activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    if activation not in PLAIN:
+        raise ValueError(f"glu activation must be one of {sorted(PLAIN)}, got {activation!r}")
     if len(x) == 1:
         if x[0].shape[-1] % 2 != 0:
             raise ValueError(f"glu needs an even last dim, got {x[0].shape[-1]}")
@@ -39,7 +30,7 @@ def glu(*x: torch.Tensor, activation: str) -> torch.Tensor:
         gate, up = x
     else:
         raise ValueError(f"glu takes [gate | up] or gate, up; got {len(x)} tensors")
-    return ACTIVATIONS[activation](gate) * up
+    return PLAIN[activation](gate) * up
 
 
 def scale(x: torch.Tensor, factor: float) -> torch.Tensor:
@@ -64,6 +55,21 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"swiglu needs an even last dim, got {x.shape[-1]}")
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# The activations by name, one table that the layers and the MoE experts read; the compiler holds
+# the matching one (specc/ops/activations.py) and tests/test_activation_registry.py checks that the
+# two agree. PLAIN: on one tensor. GATED: over a last dim laid out [gate | up], each with the
+# plain activation it applies to the gate (a projection feeding one is twice as wide).
+PLAIN = {
+    "silu": F.silu,
+    "gelu": gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "squared_relu": squared_relu,
+}
+GATED = {"swiglu": (swiglu, "silu")}
+ACTIVATIONS = {**PLAIN, **{name: fn for name, (fn, _) in GATED.items()}}
 
 
 def split(x: torch.Tensor, sections, heads: int = 0) -> tuple[torch.Tensor, ...]:

@@ -16,11 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..activations import gelu, swiglu
+from ..activations import ACTIVATIONS, GATED
 from ..init import tag_parameter
 from ..parallel_state import Group
-
-ACTIVATIONS = {"swiglu": swiglu, "gelu": gelu, "silu": F.silu}
 
 
 class GroupedMLP(nn.Module):
@@ -34,7 +32,7 @@ class GroupedMLP(nn.Module):
         if num_experts % ep.size:
             raise ValueError(f"{num_experts} experts are not divisible by the expert-parallel size {ep.size}")
         self.activation, self.grouped = activation, grouped
-        gated = activation == "swiglu"
+        gated = activation in GATED
         local_e, local_f = num_experts // ep.size, ffn_hidden_size // tp.size
         fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
         self.linear_fc1 = nn.Module()

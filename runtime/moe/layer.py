@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..activations import ACTIVATIONS, GATED
 from ..init import tag_parameter
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel_state import Group
 from .dispatcher import AllToAllTokenDispatcher
-from .experts import ACTIVATIONS, GroupedMLP
+from .experts import GroupedMLP
 from .router import TopKRouter
 
 
@@ -24,7 +25,7 @@ class SharedExpertMLP(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, tp: Group, activation: str = "swiglu",
                  gate: bool = False, init_std: float = 0.02):
         super().__init__()
-        gated = activation == "swiglu"
+        gated = activation in GATED
         self.activation = activation
         self.linear_fc1 = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size if gated else ffn_hidden_size, bias=False,
                                                segments=[ffn_hidden_size] * 2 if gated else None, tp=tp, init_std=init_std)

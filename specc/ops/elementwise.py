@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..errors import SpecError
 from ..layouts import sh_local_size
+from .activations import ACTIVATIONS, PLAIN
 from .base import Attr, HFKnob, LayoutRule, OpKind, need_divisible, numel
 
 _NOT_P = ("I", "R", "S(s)", "S(h)")
@@ -57,7 +58,6 @@ class Mul(OpKind):
         return f"{args[0]} * {args[1]}"
 
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "squared_relu")
 APPROXIMATE = Attr("approximate", "str", default="none", choices=("none", "tanh"),
                    doc="none: the exact erf form; tanh: the tanh approximation (HF gelu_new, gelu_pytorch_tanh)")
 
@@ -81,7 +81,7 @@ class Gelu(_Activation):
     name = "gelu"
     doc = "GELU: exact (erf), or the tanh approximation with approximate: tanh (GPT-2's gelu_new)."
     attrs = (APPROXIMATE,)
-    function = "runtime.gelu"
+    function = ACTIVATIONS["gelu"].function
 
     def call(self, node, args, ctx):
         if node.attrs.get("approximate", "none") == "tanh":
@@ -92,19 +92,19 @@ class Gelu(_Activation):
 class Silu(_Activation):
     name = "silu"
     doc = "SiLU / swish."
-    function = "torch.nn.functional.silu"
+    function = ACTIVATIONS["silu"].function
 
 
 class Relu(_Activation):
     name = "relu"
     doc = "ReLU."
-    function = "torch.nn.functional.relu"
+    function = ACTIVATIONS["relu"].function
 
 
 class SquaredRelu(_Activation):
     name = "squared_relu"
     doc = "relu(x)^2 (Primer; Megatron's squared_relu)."
-    function = "runtime.squared_relu"
+    function = ACTIVATIONS["squared_relu"].function
 
 
 class Glu(_Activation):
@@ -114,8 +114,8 @@ class Glu(_Activation):
 
     name = "gated_linear_unit"
     doc = ("act(gate) * up, from one [gate | up] value (halves its last dim) or from two values gate, up; "
-           "activation: " + " | ".join(ACTIVATIONS) + ".")
-    attrs = (Attr("activation", "str", required=True, choices=ACTIVATIONS,
+           "activation: " + " | ".join(PLAIN) + ".")
+    attrs = (Attr("activation", "str", required=True, choices=PLAIN,
                   doc="applied to the gate; gelu_tanh is GELU's tanh approximation (HF gelu_pytorch_tanh)"),)
     n_inputs = (1, 2)
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 import math
 
 from ..errors import SpecError
+from .activations import ACTIVATIONS, is_gated
 from .base import Attr, HFKnob, LayoutRule, OpKind, Weight, need_divisible, numel
-
-ACTIVATIONS = ("swiglu", "gelu", "silu")
 
 
 class MoE(OpKind):
@@ -30,7 +29,8 @@ class MoE(OpKind):
         Attr("num_experts", "int", required=True, minimum=1, doc="routed experts (Megatron --num-experts)"),
         Attr("ffn_hidden_size", "int", required=True, minimum=1, doc="each expert's MLP width (--moe-ffn-hidden-size)"),
         Attr("topk", "int", default=2, minimum=1, doc="experts per token (--moe-router-topk)"),
-        Attr("activation", "str", default="swiglu", choices=ACTIVATIONS, doc="swiglu: gated [gate | up] experts"),
+        Attr("activation", "str", default="swiglu", choices=tuple(ACTIVATIONS),
+             doc="swiglu (or any gated activation): [gate | up] experts"),
         Attr("score_function", "str", default="softmax", choices=("softmax", "sigmoid"),
              doc="router scores (--moe-router-score-function)"),
         Attr("topk_renorm", "bool", default=False, doc="rescale the top-k weights to sum to 1 (Mixtral: true)"),
@@ -89,7 +89,7 @@ class MoE(OpKind):
 
     def weights(self, attrs):
         e, h, f = attrs["num_experts"], attrs["hidden_size"], attrs["ffn_hidden_size"]
-        gated = attrs["activation"] == "swiglu"
+        gated = is_gated(attrs["activation"])
         out = [Weight("router.weight", (e, h), "normal")]
         if attrs["expert_bias"]:  # no gradient: moved by the token counts after each step
             out.append(Weight("router.expert_bias", (e,), "zeros"))
@@ -189,7 +189,7 @@ class MoE(OpKind):
         x = local_in[0]
         tokens, h = numel(x[:-1]), x[-1]
         tp = a.get("tp_size", 1)
-        gated = a["activation"] == "swiglu"
+        gated = is_gated(a["activation"])
         f = a["ffn_hidden_size"] // tp
         forward = 2 * self._uniform_rows(node, tokens) * h * ((2 * f if gated else f) + f)
         s = a["shared_expert_size"] // tp
@@ -205,12 +205,12 @@ class MoE(OpKind):
         tp = a.get("tp_size", 1)
         rows = self._uniform_rows(node, tokens)
         f = a["ffn_hidden_size"] // tp
-        fc1 = 2 * f if a["activation"] == "swiglu" else f
+        fc1 = 2 * f if is_gated(a["activation"]) else f
         out = [(node.inputs[0], numel(x) * elt), (node.id + ":router", 2 * tokens * a["num_experts"] * 4),
                (node.id + ":experts", rows * (h + fc1 + f) * elt)]
         s = a["shared_expert_size"] // tp
         if s:
-            out.append((node.id + ":shared", tokens * ((2 * s if a["activation"] == "swiglu" else s) + s) * elt))
+            out.append((node.id + ":shared", tokens * ((2 * s if is_gated(a["activation"]) else s) + s) * elt))
         return out
 
     def note(self, node):
