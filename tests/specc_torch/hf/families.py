@@ -5,6 +5,7 @@ TP 1, 2, 4 with and without SP, all in one 4-rank gloo world."""
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 
@@ -127,24 +128,59 @@ def specc_logits(model, batch: dict, names: list, tp) -> tuple[torch.Tensor, tor
     return logits.transpose(0, 1).contiguous(), loss.float()
 
 
+class _Compiled(Exception):
+    """parity's compile-only pass: the module is compiled, build_model stops there."""
+
+
 def parity(rank: int, world: int, cases: list) -> list:
     """On `world` ranks: every (family, checkpoint, input names, batch) at each TP size dividing
-    the world, with and without SP; [(family, tp, sp, logits, loss)] on rank 0 of each TP group."""
+    the world, with and without SP; [(family, tp, sp, logits, loss)] on rank 0 of each TP group.
+    Each model is compiled once, on one rank, and handed to the others (compiling, 80% of this
+    run, was done by every rank for every model)."""
+    import torch.distributed as dist
+
+    import specc_torch.api as api
     from runtime.checkpoint import load_checkpoint
 
+    compile_source, compiled, only_compile = api.compile_source, {}, [False]
+
+    def remembered(*args, **kwargs):  # by its arguments, whatever they are: build_model's call
+        key = repr((args, sorted(kwargs.items())))
+        if key not in compiled:
+            text, spec, _ = compile_source(*args, **kwargs)
+            compiled[key] = (text, types.SimpleNamespace(name=spec.name), None)  # what build_model reads
+        if only_compile[0]:
+            raise _Compiled  # no model built: its construction may talk to the other ranks of its group
+        return compiled[key]
+
+    api.compile_source = remembered
     out = []
-    for tp in (1, 2, 4):
-        if world % tp:
-            continue
-        pg = ProcessGroups.initialize(tp=tp)
-        try:
-            for family, spec, ckpt, names, batch in cases:
-                for sp in ((False, True) if tp > 1 else (False,)):
+    try:
+        for tp in (1, 2, 4):
+            if world % tp:
+                continue
+            pg = ProcessGroups.initialize(tp=tp)
+            try:
+                jobs = [(case, sp) for case in cases for sp in ((False, True) if tp > 1 else (False,))]
+                only_compile[0] = True
+                for (_, spec, _, _, _), sp in jobs[rank::world]:  # this rank's share, then everyone's
+                    try:
+                        specc_torch.build_model(spec, pg, seed=123, sp=sp)
+                    except _Compiled:
+                        pass
+                only_compile[0] = False
+                shares = [None] * world
+                dist.all_gather_object(shares, compiled)
+                for share in shares:
+                    compiled.update(share)
+                for (family, spec, ckpt, names, batch), sp in jobs:
                     model = specc_torch.build_model(spec, pg, seed=123, sp=sp)
                     load_checkpoint(ckpt, model, pg)
                     logits, loss = specc_logits(model, batch, names, pg.tp)
                     if rank == 0:
                         out.append((family, tp, sp, logits, loss))
-        finally:
-            pg.destroy()
+            finally:
+                pg.destroy()
+    finally:
+        api.compile_source = compile_source
     return out
