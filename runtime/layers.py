@@ -17,8 +17,8 @@ from .init import check_segment, segment_piece, tag_parameter
 from .mappings import gather_dim0
 from .parallel_state import Group
 from .random import RNGTracker
-from .sharding import local_piece
 from .rope import ROPE_SCALINGS, RotaryEmbedding, rope_inv_freq  # noqa: F401 (moved there; imported from here)
+from .sharding import local_piece
 
 __all__ = [
     "ColumnParallelLinear",
@@ -294,19 +294,32 @@ class _AllReduceSum(torch.autograd.Function):
 
 class _Norm(nn.Module):
     """Shared by LayerNorm and RMSNorm: the weight ([hidden] or [head_dim] with head_dim, held as
-    (weight - 1) with zero_centered_gamma), per-head reshapes, statistics in at least fp32."""
+    (weight - 1) with zero_centered_gamma), per-head reshapes, statistics in at least fp32.
+
+    `heads` (with head_dim): one gain (and bias) per head, [heads, head_dim] (Cohere Command R+'s
+    q/k norms), sharded over `tp` with the heads: this rank's heads/t, or its one replicated head
+    when there are fewer heads than ranks (as the K/V heads of a fused QKV)."""
 
     def __init__(self, hidden_size: int, eps: float, zero_centered_gamma: bool, head_dim: int | None,
-                 bias: bool):
+                 bias: bool, heads: int | None = None, tp: Group | None = None):
         super().__init__()
         if head_dim is not None and hidden_size % head_dim:
             raise ValueError(f"hidden_size {hidden_size} is not a multiple of head_dim {head_dim}")
-        self.hidden_size, self.eps, self.head_dim = hidden_size, eps, head_dim
+        if heads is not None and head_dim is None:
+            raise ValueError("a gain per head needs head_dim")
+        self.hidden_size, self.eps, self.head_dim, self.heads = hidden_size, eps, head_dim, heads
         self.zero_centered_gamma = zero_centered_gamma
-        size = head_dim or hidden_size
         gain = "zeros" if zero_centered_gamma else "ones"
-        self.weight = tag_parameter(nn.Parameter(torch.empty(size)), gain)
-        self.bias = tag_parameter(nn.Parameter(torch.empty(size)), "zeros") if bias else None
+        if heads is None:
+            size = head_dim or hidden_size
+            self.weight = tag_parameter(nn.Parameter(torch.empty(size)), gain)
+            self.bias = tag_parameter(nn.Parameter(torch.empty(size)), "zeros") if bias else None
+        else:
+            tp = tp or Group.single("tp")
+            local = (max(1, heads // tp.size), head_dim)
+            shard = dict(tp=tp, full_shape=(heads, head_dim), shard_dim=0, units=(heads,))
+            self.weight = tag_parameter(nn.Parameter(torch.empty(local)), gain, **shard)
+            self.bias = tag_parameter(nn.Parameter(torch.empty(local)), "zeros", **shard) if bias else None
         with torch.no_grad():  # usable before init_parameters, e.g. in tests
             self.weight.fill_(0.0 if zero_centered_gamma else 1.0)
             if self.bias is not None:
@@ -326,6 +339,7 @@ class _Norm(nn.Module):
     def extra_repr(self) -> str:
         extra = f", head_dim={self.head_dim}" if self.head_dim else ""
         extra += ", zero_centered_gamma=True" if self.zero_centered_gamma else ""
+        extra += f", heads={self.heads}" if self.heads else ""
         return f"{self.hidden_size}, eps={self.eps}{extra}"
 
 
@@ -334,14 +348,18 @@ class LayerNorm(_Norm):
     without a bias when bias=False; scaled by (1 + weight) with zero_centered_gamma."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, bias: bool = True, zero_centered_gamma: bool = False,
-                 head_dim: int | None = None):
-        super().__init__(hidden_size, eps, zero_centered_gamma, head_dim, bias)
+                 head_dim: int | None = None, heads: int | None = None, tp: Group | None = None):
+        super().__init__(hidden_size, eps, zero_centered_gamma, head_dim, bias, heads, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = _at_least_fp32(x.dtype)
         h = self.per_head(x.to(dtype))
         bias = self.bias.to(dtype) if self.bias is not None else None
-        y = F.layer_norm(h, self.weight.shape, self.gain(dtype), bias, self.eps)
+        if self.heads is not None:  # statistics over each head, then its own gain and bias
+            y = F.layer_norm(h, (self.head_dim,), None, None, self.eps) * self.gain(dtype)
+            y = y if bias is None else y + bias
+        else:
+            y = F.layer_norm(h, self.weight.shape, self.gain(dtype), bias, self.eps)
         return y.reshape(x.shape).to(x.dtype)
 
 
@@ -355,8 +373,9 @@ class RMSNorm(_Norm):
     slice of its features: of every segment when the shard is cut by `segments` (full sizes)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, zero_centered_gamma: bool = False,
-                 head_dim: int | None = None, tp: Group | None = None, segments=None):
-        super().__init__(hidden_size, eps, zero_centered_gamma, head_dim, bias=False)
+                 head_dim: int | None = None, tp: Group | None = None, segments=None, heads: int | None = None):
+        super().__init__(hidden_size, eps, zero_centered_gamma, head_dim, bias=False, heads=heads,
+                         tp=tp if heads is not None else None)
         self.tp = tp if tp is not None and tp.size > 1 and head_dim is None else None
         self.features = None  # (start, end) of this rank's features in the full width
         if self.tp is not None:

@@ -8,7 +8,10 @@ On tensor-parallel shards of the last dim (S(h): the heads of q or k):
 * an RMSNorm over the full width sums the squares of its shard and all-reduces that per-token sum
   (forward, and its gradient in backward): [s, b] floats, where gathering the value would move
   all of it. Its full weight is kept on every rank, each using its slice (a partial gradient).
-* a LayerNorm over the full width is not computed on shards: the compiler gathers its input."""
+* a LayerNorm over the full width is not computed on shards: the compiler gathers its input;
+* a per-head norm with `gain_per_head` (Cohere Command R+) has a [heads, head_dim] weight sharded
+  with the heads: at TP > 1 it runs on the heads' shards only, and its gradient is the rank's own
+  (a head replicated over ranks, fewer K heads than ranks, gets its replicas' gradients summed)."""
 
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ class _Norm(OpKind):
              doc="scale by (1 + weight), the weight starting at 0 (Gemma's RMSNorm; Megatron's name)"),
         Attr("head_dim", "int", minimum=1,
              doc="normalize each head of this size on its own, with one [head_dim] weight for all heads"),
+        Attr("gain_per_head", "bool", default=False,
+             doc="with head_dim: one weight (and bias) per head, [hidden_size / head_dim, head_dim], sharded with the "
+             "heads under TP (Cohere Command R+'s q/k norms)"),
     )
     impls = ("native", "te")
     runtime_class = ""
@@ -36,6 +42,8 @@ class _Norm(OpKind):
         if head is not None and attrs["hidden_size"] % head:
             raise SpecError(locs.get("head_dim"), f"hidden_size={attrs['hidden_size']} is not a multiple of "
                             f"head_dim={head}", "a per-head norm's input is [..., heads * head_dim]")
+        if attrs.get("gain_per_head") and head is None:
+            raise SpecError(locs.get("gain_per_head"), "gain_per_head needs head_dim (the size of each head)")
 
     def out_shapes(self, attrs, shapes, fail):
         if shapes[0][-1] != attrs["hidden_size"]:
@@ -44,6 +52,14 @@ class _Norm(OpKind):
 
     def weight_size(self, attrs) -> int:
         return attrs.get("head_dim") or attrs["hidden_size"]
+
+    def weight(self, name: str, attrs, init: str) -> Weight:
+        """[hidden] or [head_dim]; with gain_per_head [heads, head_dim], sharded by heads (replicated
+        when there are fewer heads than ranks)."""
+        if not attrs.get("gain_per_head"):
+            return Weight(name, (self.weight_size(attrs),), init)
+        heads = attrs["hidden_size"] // attrs["head_dim"]
+        return Weight(name, (heads, attrs["head_dim"]), init, 0, units=(heads,))
 
     def weight_init(self, attrs) -> str:
         return "zeros" if attrs.get("zero_centered_gamma") else "ones"
@@ -61,12 +77,14 @@ class _Norm(OpKind):
 
     def rule_tp(self, attrs, ctx):
         units = tuple(ctx.in_units[0]) if ctx.in_units else ()
+        if attrs.get("gain_per_head") and ctx.tp > 1:  # its weights are sharded with the heads
+            return LayoutRule(allowed=("S(h)",), accepts_reduction=True)
         allowed = ("I", "R", "S(s)") + (("S(h)",) if self.on_shards(attrs, ctx.tp, units) else ())
         return LayoutRule(allowed=allowed, accepts_reduction=True)
 
     def partial_grad_weights(self, node, axis, placement):
         if axis == "tp" and placement == "S(h)":  # each rank's shard reaches only its part of the weights
-            return [w.name for w in self.weights(node.attrs)]
+            return [] if node.attrs.get("gain_per_head") else [w.name for w in self.weights(node.attrs)]
         return super().partial_grad_weights(node, axis, placement)
 
     def collectives(self, node, shapes_on, elt, mesh):
@@ -85,6 +103,8 @@ class _Norm(OpKind):
     def note(self, node):
         if not node.in_layouts or node.in_layouts[0]["tp"] != "S(h)":
             return ""
+        if node.attrs.get("gain_per_head"):
+            return f"{node.attr_name} normalizes each local head with its own gain, sharded with the heads"
         if node.attrs.get("head_dim"):
             return f"{node.attr_name} normalizes each local head; its weight is shared by the heads of all ranks"
         return (f"{node.attr_name} normalizes over the full width of a sharded value: the sum of squares is "
@@ -99,6 +119,8 @@ class _Norm(OpKind):
                             "input (the sum of squares needs an all-reduce)", "use impl: native on it")
         if a.get("head_dim"):
             kw.append(f"head_dim={a['head_dim']}")
+            if a.get("gain_per_head"):  # the rank's heads of all of them
+                kw.append(f"heads={a['hidden_size'] // a['head_dim']}" + (", tp=self.tp" if sharded else ""))
             segments = ctx.in_segments[0] if sharded and ctx.in_segments else ()
             if len(segments) > 1 and any(n % (ctx.tp * a["head_dim"]) for n in segments):
                 raise SpecError(node.loc, f"{node.id}: normalizes heads of {a['head_dim']}, but the tensor-parallel "
@@ -138,10 +160,9 @@ class LayerNorm(_Norm):
     runtime_class = "LayerNorm"
 
     def weights(self, attrs):
-        h = self.weight_size(attrs)
-        out = [Weight("weight", (h,), self.weight_init(attrs))]
+        out = [self.weight("weight", attrs, self.weight_init(attrs))]
         if attrs.get("bias", True):
-            out.append(Weight("bias", (h,), "zeros"))
+            out.append(self.weight("bias", attrs, "zeros"))
         return out
 
     def options(self, attrs):
@@ -159,4 +180,4 @@ class RMSNorm(_Norm):
     sharded_full_width = True
 
     def weights(self, attrs):
-        return [Weight("weight", (self.weight_size(attrs),), self.weight_init(attrs))]
+        return [self.weight("weight", attrs, self.weight_init(attrs))]

@@ -1,7 +1,8 @@
 """The position and normalization variants of issue 27 against transformers, from random models
 built from tiny configs (no download) with every weight moved off its init (norm gains and
 biases by about 0.3): BLOOM (ALiBi, its embedding LayerNorm, its per-head fused QKV), qwen2-tiny
-with YaRN and phi3-tiny with LongRoPE scaling.
+with YaRN and phi3-tiny with LongRoPE scaling, Command R+ (q/k LayerNorms with one gain per head,
+sharded with the heads; 2 K/V heads, so replicated at TP 4).
 
 - import, then the compiled spec's logits and per-token loss equal transformers' to 1e-4 at TP 1,
   2 and 4 with and without SP, every case in ONE 4-rank gloo world (modules compiled once here);
@@ -14,7 +15,7 @@ import os
 
 import pytest
 import torch
-from hf_helpers import ROOT, batch, hf_loss, specc_logits
+from hf_helpers import ROOT, batch, specc_logits
 from safetensors.torch import load_file
 
 from runtime.parallel_state import ProcessGroups
@@ -39,6 +40,9 @@ CASES = {
                            bos_token_id=0, eos_token_id=0, rope_parameters={
                                "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.25, 2.0, 3.5],
                                "long_factor": [1.5, 3.0, 6.0, 11.0], "original_max_position_embeddings": 16})),
+    "cohere-plus": ("specs/cohere-plus-tiny.yaml", "CohereConfig",
+                    dict(_DECODER, num_key_value_heads=2, layer_norm_eps=1e-5, logit_scale=0.5, use_qk_norm=True,
+                         tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 
@@ -60,9 +64,16 @@ def _hf_model(case: str, seed: int = 11):
 
 
 @torch.no_grad()
-def _hf_logits(model, seq: int = 32) -> torch.Tensor:
-    tokens, _ = batch(s=seq)
-    return model(input_ids=tokens).logits.float()
+def _hf_logits(model, seq: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the output layer's logits, the per-token loss of the model's: Cohere scales them after)."""
+    tokens, labels = batch(s=seq)
+    captured = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda m, i, out: captured.append(out.float()))
+    logits = model(input_ids=tokens).logits.float()
+    handle.remove()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             reduction="none").reshape(labels.shape)
+    return captured[0], loss
 
 
 def _parity_on_ranks(rank, world, cases, sources):
@@ -109,8 +120,7 @@ def test_logits_match_transformers_at_tp_1_2_4_with_and_without_sp(gloo, importe
 
     cases, sources = [], {}
     for case in CASES:
-        expected = _hf_logits(imported[case][2])
-        cases.append((case, imported[case][1], expected, hf_loss(expected)))
+        cases.append((case, imported[case][1], *_hf_logits(imported[case][2])))
         for tp, sp in SETTINGS:
             text, spec, _ = compile_source(_spec(case), tp, sp)
             sources[case, tp, sp] = (text, spec.name)
@@ -149,15 +159,16 @@ def _specc_logits(spec: str, ckpt: str, seq: int = 32, overrides: dict | None = 
 def test_longrope_takes_its_short_factors_up_to_the_original_context_and_each_variant_has_teeth(imported):
     """At 16 tokens (the original context) LongRoPE's short factors, as transformers picks them;
     and the parity above fails without what each variant adds: no ALiBi, LongRoPE's short factors
-    at 32 tokens, YaRN without its attention factor."""
+    at 32 tokens, YaRN without its attention factor, Cohere's rotary on rotate-half pairs."""
     _, ckpt, model = imported["phi3-longrope"]
-    assert (_specc_logits(_spec("phi3-longrope"), ckpt, seq=16) - _hf_logits(model, 16)).abs().max().item() < TOL
+    assert (_specc_logits(_spec("phi3-longrope"), ckpt, seq=16) - _hf_logits(model, 16)[0]).abs().max().item() < TOL
     rotary = "modules.SelfAttention.submodules.rotary."
     for case, key, value in [("bloom", "modules.SelfAttention.submodules.core_attention.alibi", False),
                              ("phi3-longrope", rotary + "long_factor", [1.0, 1.25, 2.0, 3.5]),
-                             ("qwen2-yarn", rotary + "attention_factor", 1.0)]:
+                             ("qwen2-yarn", rotary + "attention_factor", 1.0),
+                             ("cohere-plus", rotary + "interleaved", False)]:
         _, ckpt, model = imported[case]
-        diff = (_specc_logits(_spec(case), ckpt, overrides={key: value}) - _hf_logits(model)).abs().max().item()
+        diff = (_specc_logits(_spec(case), ckpt, overrides={key: value}) - _hf_logits(model)[0]).abs().max().item()
         assert diff > 100 * TOL, (case, key, diff)
 
 
@@ -204,14 +215,19 @@ def test_verify_at_tp_x_sp_cp_2_and_pp_2(gloo):
     """`specc verify` (loss, logits, activations, gradients, weights after a step, from the initial
     and randomized weights; collectives against the plan) on one world of 4 ranks: BLOOM at TP 1, 2
     and 4 with and without SP, TP 2 x CP 2 (ALiBi by global position) and PP 2 x TP 2; LongRoPE at
-    CP 2 (the whole sequence's length picks the long factors on every rank)."""
-    cases = [("specs/bloom-tiny.yaml", dict(tps=[1, 2, 4], sps=[False, True])),
+    CP 2 (the whole sequence's length picks the long factors on every rank); Command R+ at TP 4 with
+    SP (its K norm gains replicated over 2 ranks, their gradients summed; its CP 2 and PP 2 are
+    `specc verify specs/cohere-plus-tiny.yaml --tp 2 --sp on --cp 2` and `--pp 2 --batch 4`)."""
+    cases = [("specs/bloom-tiny.yaml", dict(tps=[1, 2], sps=[False, True])),
+             ("specs/bloom-tiny.yaml", dict(tps=[4], sps=[False, True])),
              ("specs/bloom-tiny.yaml", dict(tps=[2], sps=[True], cps=[2], pp_settings=[(2, None, 2, 1, True)],
                                             pps=[2])),
-             ("tests/specc_torch/specs/phi3-longrope-tiny.yaml", dict(tps=[1], sps=[False], cps=[2]))]
-    rows = gloo.run(4, _verify, cases)[0]
+             ("tests/specc_torch/specs/phi3-longrope-tiny.yaml", dict(tps=[1], sps=[False], cps=[2])),
+             ("specs/cohere-plus-tiny.yaml", dict(tps=[4], sps=[True]))]
+    rows = [row for case in cases for row in gloo.run(4, _verify, [case])[0]]  # each call within the pool's limit
     bad = [r for _, r in rows if not r.ok]
     assert not bad, bad
     settings = sorted({(spec, r.setting) for spec, r in rows})
     assert {s for _, s in settings} >= {"tp=1 sp=off", "tp=2 sp=on", "tp=4 sp=on", "tp=2 cp=2 sp=on",
                                         "pp=2 tp=2 sp=on", "tp=1 cp=2 sp=off"}, settings
+    assert {s for spec, s in settings if "cohere" in spec} >= {"tp=4 sp=on"}
