@@ -8,7 +8,7 @@ otherwise pick, measured side by side in one run at TP=1, TP=2 and TP=2 with SP:
   specc+compile  (with --torch-compile) specc with each layer compiled (runtime.compile_layers)
   specc-gloo     (TP > 1) specc with its collectives on gloo (transport "torch"), as Megatron's
                  are; "specc" uses the default transport, shared memory where every rank has a
-                 core (runtime/shared_memory.py)
+                 core (runtime/cpu/shared_memory.py)
   specc-own      specc's own training step: runtime.DistributedDataParallel, finalize_model_grads
                  and runtime.optim.Adam (flat buffers, torch's fused AdamW kernel)
   megatron-own   Megatron Core's own: its DistributedDataParallel, finalize_model_grads and
@@ -23,7 +23,7 @@ taken, over --rounds independent rounds of --steps steps; the ratio reported is 
 the per-round ratios. MFU is the model's FLOPs per step (from specc's plan: the compiler counts
 every op) over a measured fp32 GEMM peak at the same thread count (one per rank), read among
 each round's steps and taken per round. Each rank keeps the host memory a step frees
-(runtime.host_memory, as `specc train` does), which speeds both sides alike. At TP=2 it
+(runtime.cpu.host_memory, as `specc train` does), which speeds both sides alike. At TP=2 it
 also times specc's collectives alone and inside the step (runtime.comm.CommTimer): the fraction
 of collective time the step hides.
 
@@ -499,11 +499,11 @@ implementations of the model cost.
   `sequence_parallel`, whose gradients Megatron's own `_allreduce_non_tensor_model_parallel_grads`
   all-reduces; an explicit causal mask; its CUDA RNG-tracker calls routed to the CPU generator.
 - **Transports**: specc moves its collectives through shared memory where every rank of a host
-  has a core (`runtime/shared_memory.py`, the default `auto` of `ProcessGroups.initialize` and
+  has a core (`runtime/cpu/shared_memory.py`, the default `auto` of `ProcessGroups.initialize` and
   `--collective-transport`; {transport} in this run); Megatron Core issues its collectives on
   torch.distributed itself, gloo here. The *specc on gloo* columns run specc on gloo as well: the
   gap between the two specc columns is the transport, the rest is the implementation.
-- **Host memory**: every rank keeps what a step frees for the next (`runtime.host_memory`, as
+- **Host memory**: every rank keeps what a step frees for the next (`runtime.cpu.host_memory`, as
   `specc train --host-memory retain` does by default on the CPU): both sides run in the same rank
   processes and both are spared the page faults.
 - **MFU** = FLOPs per step / step time / (GEMM peak x ranks), per round, the median over rounds.

@@ -44,7 +44,7 @@ sys.path.insert(0, ROOT)
 
 import runtime  # noqa: E402
 import specc_torch  # noqa: E402
-from runtime.host_memory import retain_freed_memory  # noqa: E402
+from runtime.cpu.host_memory import retain_freed_memory  # noqa: E402
 from runtime.init import full_parameter  # noqa: E402
 
 SPEC = os.path.join(ROOT, "specs", "gpt.yaml")
@@ -564,7 +564,7 @@ fused qkv output); with 4 layers that is the ~8 MiB of the table. Time is unaffe
 Numbers on a shared 2-core machine move by several percent from run to run; the ratio is the
 quantity to read. TP=2 is not faster than TP=1 in absolute terms on the CPU (two ranks share two
 cores); the comparison that matters is specc against DTensor at the same setting. Part of that
-gap is the transport: specc's collectives go through shared memory here (runtime/shared_memory.py,
+gap is the transport: specc's collectives go through shared memory here (runtime/cpu/shared_memory.py,
 the default where every rank has a core), DTensor's through gloo's loopback sockets;
 bench/megatron_step.py times specc on both transports.
 """

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .shared_memory import open_transports
+from .cpu.shared_memory import open_transports
 
 # Axis order from innermost to outermost; it fixes the rank layout above.
 _AXES = ("tp", "cp", "dp", "pp")
@@ -41,7 +41,7 @@ class Group:
     group: Any
     ranks: tuple[int, ...]
     name: str
-    # a SharedMemoryTransport when the group's ranks share a host (runtime/shared_memory.py):
+    # a SharedMemoryTransport when the group's ranks share a host (runtime/cpu/shared_memory.py):
     # runtime.comm then moves CPU tensors through it instead of torch.distributed
     transport: Any = field(default=None, compare=False, repr=False)
 
@@ -88,7 +88,7 @@ class ProcessGroups:
         order, as torch.distributed requires, and keeps the ones it belongs to.
         Size-1 axes get no process group: their collectives are no-ops.
         `transport` ("auto", "shm", "torch") says which groups move CPU tensors through
-        shared memory instead of torch.distributed (runtime/shared_memory.py).
+        shared memory instead of torch.distributed (runtime/cpu/shared_memory.py).
         `timeout_minutes`: how long a collective of these groups waits for its peers (Megatron's
         --distributed-timeout-minutes; None: torch's default, 30 minutes).
         """

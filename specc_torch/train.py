@@ -647,9 +647,9 @@ def run(cfg: TrainConfig, stream=None) -> int:
         save_checkpoint,
     )
     from runtime.checkpoint import resolve as checkpoint_path
-    from runtime.host_memory import retain_freed_memory
+    from runtime.cpu.host_memory import retain_freed_memory
+    from runtime.cpu.shared_memory import TransportError
     from runtime.parallel_state import ProcessGroups
-    from runtime.shared_memory import TransportError
     from runtime.train.report import NullReporter, Reporter
     from runtime.train.throughput import given_peak, measure_peak
     from runtime.train.training import (

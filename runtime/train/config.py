@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from ..host_memory import MODES as HOST_MEMORY_MODES
+from ..cpu.host_memory import MODES as HOST_MEMORY_MODES
 
 DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -34,7 +34,7 @@ class ParallelConfig:
     dp: int = 1  # derived from the world size by `resolve`
     ep: int = 1  # expert-model-parallel: carved out of the DP ranks (Megatron), so it must divide dp
     etp: int | None = None  # expert-tensor-parallel: must equal tp (experts are sharded over the TP ranks)
-    transport: str = "auto"  # CPU collectives: runtime.shared_memory.TRANSPORTS (auto, shm, torch)
+    transport: str = "auto"  # CPU collectives: runtime.cpu.shared_memory.TRANSPORTS (auto, shm, torch)
 
 
 @dataclass

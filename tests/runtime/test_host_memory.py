@@ -1,4 +1,4 @@
-"""runtime.host_memory: with freed memory retained, a step's allocations stop faulting pages in
+"""runtime.cpu.host_memory: with freed memory retained, a step's allocations stop faulting pages in
 again; without glibc it says so and changes nothing."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import runtime.host_memory as host_memory
+import runtime.cpu.host_memory as host_memory
 
 # Blocks of 1-16 MiB allocated, touched and all freed, 8 times over: the shape of a training step's
 # activations. Prints the page faults of the last 6 rounds (the first two warm the heap up).
@@ -17,7 +17,7 @@ CYCLES = """
 import resource, sys
 import torch
 if sys.argv[1] == "retain":
-    from runtime.host_memory import retain_freed_memory
+    from runtime.cpu.host_memory import retain_freed_memory
     print(retain_freed_memory(), file=sys.stderr)
 def cycle():
     blocks = [torch.empty(mib << 18).fill_(1.0) for mib in range(1, 17)]

@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from runtime import comm
 from runtime.comm import CommCounter, CommTimer
+from runtime.cpu.shared_memory import SLOT_BYTES, choose, open_transports, segment_bytes, supported_here
 from runtime.parallel_state import ProcessGroups
-from runtime.shared_memory import SLOT_BYTES, choose, open_transports, segment_bytes, supported_here
 
 pytestmark = pytest.mark.skipif(supported_here() is not None, reason=f"no shared-memory transport: {supported_here()}")
 
@@ -255,7 +255,7 @@ def _check_compiled_layers(rank, world):
 
 
 def test_compiled_layers_run_the_transport_eagerly(gloo):
-    from runtime.shared_memory import SharedMemoryTransport, SharedMemoryWork
+    from runtime.cpu.shared_memory import SharedMemoryTransport, SharedMemoryWork
 
     # traced, the transport costs 1.2x the step under inductor (bench/megatron_step.py --torch-compile)
     entries = (SharedMemoryTransport.all_reduce, SharedMemoryTransport.all_gather, SharedMemoryTransport.reduce_scatter,
@@ -267,8 +267,8 @@ def test_compiled_layers_run_the_transport_eagerly(gloo):
 def _check_one_rank_cannot(rank, world):
     """When one rank of a group cannot map the segment, every rank learns it: auto keeps the
     group on torch.distributed everywhere, shm fails everywhere (no rank is left waiting)."""
-    from runtime import shared_memory
-    from runtime.shared_memory import TransportError
+    from runtime.cpu import shared_memory
+    from runtime.cpu.shared_memory import TransportError
 
     saved = shared_memory.supported_here
     if rank == 1:
@@ -319,7 +319,7 @@ def test_misuse_raises(gloo):
 def _check_a_failed_segment_is_agreed(rank, world):
     """A segment its creator cannot allocate (a full /dev/shm) fails on every rank alike: auto
     falls back to torch.distributed, shm raises; no file is left behind."""
-    from runtime.shared_memory import TransportError
+    from runtime.cpu.shared_memory import TransportError
 
     real = os.posix_fallocate
 

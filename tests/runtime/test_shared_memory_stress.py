@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from runtime import comm
+from runtime.cpu.shared_memory import open_transports, supported_here
 from runtime.parallel_state import ProcessGroups
-from runtime.shared_memory import open_transports, supported_here
 
 pytestmark = pytest.mark.skipif(supported_here() is not None, reason=f"no shared-memory transport: {supported_here()}")
 
