@@ -31,9 +31,14 @@ def _reduce_scatter(out, inp, **kwargs):
     return fn(out, inp, **kwargs)
 
 
+# The kinds of collective the runtime issues and CommCounter records; the compiler's plan counts
+# the same (specc.layouts.COLLECTIVES; tests/test_shared_rules.py checks the two agree).
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv")
+
+
 @dataclass(frozen=True)
 class CommRecord:
-    kind: str  # "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" | "send" | "recv"
+    kind: str  # one of KINDS
     group: str  # Group.name
     bytes: int  # per rank, see CommCounter
 

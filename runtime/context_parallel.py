@@ -71,14 +71,21 @@ def load_balanced_positions(local_len: int, cp: Group, device=None) -> torch.Ten
     return _positions(local_len, cp.size, cp.rank, device)
 
 
+def chunk_pair(n: int, rank: int) -> tuple[int, int]:
+    """The two of the sequence's 2n chunks CP rank `rank` holds, in its local order: r and 2n-1-r
+    (every rank gets one early and one late chunk, so causal attention's work is balanced). The
+    runtime's one statement of the rule; the compiler's (specc/layouts.py) is checked against it
+    by tests/test_shared_rules.py."""
+    return rank, 2 * n - 1 - rank
+
+
 def _positions(local_len: int, n: int, rank: int, device=None) -> torch.Tensor:
     if n == 1:
         return torch.arange(local_len, device=device)
     if local_len % 2 != 0:
         raise ValueError(f"a context-parallel rank holds 2 chunks: its local length {local_len} must be even")
     c = local_len // 2
-    first = torch.arange(rank * c, (rank + 1) * c, device=device)
-    return torch.cat([first, first + (2 * n - 1 - 2 * rank) * c])
+    return torch.cat([torch.arange(k * c, (k + 1) * c, device=device) for k in chunk_pair(n, rank)])
 
 
 def _gathered_positions(local_len: int, n: int, device=None) -> torch.Tensor:
@@ -94,7 +101,7 @@ def split_load_balanced(x: torch.Tensor, cp: Group, dim: int) -> torch.Tensor:
     if size % (2 * n) != 0:
         raise ValueError(f"dim {dim} of size {size} is not divisible by 2 * cp size = {2 * n}")
     c = size // (2 * n)
-    return torch.cat([x.narrow(dim, cp.rank * c, c), x.narrow(dim, (2 * n - 1 - cp.rank) * c, c)], dim=dim)
+    return torch.cat([x.narrow(dim, k * c, c) for k in chunk_pair(n, cp.rank)], dim=dim)
 
 
 def gather_load_balanced(x: torch.Tensor, cp: Group, dim: int) -> torch.Tensor:
@@ -108,7 +115,7 @@ def gather_load_balanced(x: torch.Tensor, cp: Group, dim: int) -> torch.Tensor:
     gathered = local.new_empty((n * local.shape[0], *local.shape[1:]))
     comm.all_gather_into_tensor(gathered, local, cp)
     # Gathered chunk k is natural chunk order[k] (rank k // 2's chunks r, 2n-1-r).
-    order = [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+    order = [c for r in range(n) for c in chunk_pair(n, r)]
     inverse = torch.tensor([order.index(j) for j in range(2 * n)], device=x.device)
     chunks = gathered.view(2 * n, local.shape[0] // 2, *local.shape[1:])
     natural = chunks.index_select(0, inverse).reshape(gathered.shape)

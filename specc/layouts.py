@@ -163,7 +163,16 @@ BOUNDARIES = dict([
     _cp(SS, I, "gather_from_context_parallel_region", "all_gather", "split", seq=True),
 ])
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")
+# The collectives the plan counts, by the names runtime.comm records them under (runtime.comm.KINDS;
+# tests/test_shared_rules.py checks the two agree).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "all_to_all")
+
+
+def cp_chunk_pair(n: int, rank: int) -> tuple[int, int]:
+    """The two of the sequence's 2n chunks that CP rank `rank` holds on S(s), in its local order:
+    r and 2n-1-r (load balancing for causal attention). The compiler's one statement of the rule;
+    runtime.context_parallel.chunk_pair is checked against it by tests/test_shared_rules.py."""
+    return rank, 2 * n - 1 - rank
 
 
 def conversion_path(axis: str, src: str, dst: str) -> list[Boundary] | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..errors import SpecError
-from ..layouts import DTYPE_BYTES
+from ..layouts import DTYPE_BYTES, cp_chunk_pair
 from .base import Attr, HFKnob, LayoutRule, OpKind, need_divisible, numel
 from .rotary import _rope  # noqa: F401 (the rope settings, for attention's own knobs that read them)
 
@@ -446,8 +446,8 @@ def cp_pairs(s_local: int, n: int, comm_type: str, causal: bool, window) -> int:
     halves = 0  # in units of c^2 / 2
     for rank in range(n):
         for src in range(n):
-            for q_start in (rank * c, (2 * n - 1 - rank) * c):
-                for k_start in (src * c, (2 * n - 1 - src) * c):
+            for q_start in (k * c for k in cp_chunk_pair(n, rank)):
+                for k_start in (k * c for k in cp_chunk_pair(n, src)):
                     if _chunk_pair_kind(q_start, k_start, c, causal, window) != "skip":
                         halves += 1 if causal and q_start == k_start else 2
     return halves * c * c // (2 * n)
