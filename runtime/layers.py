@@ -252,24 +252,26 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class PositionEmbedding(nn.Module):
-    """Learned absolute positions; forward(tokens [b, s]) -> [s, b, h] for positions 0..s-1.
+    """Learned absolute positions; forward(tokens [b, s]) -> [s, b, h] for positions 0..s-1, the
+    rows offset..offset+s-1 of the table (OPT's learned positions start at row 2).
     With a context-parallel `cp` of size N > 1, tokens are this rank's load-balanced chunks of
     an N*s sequence and the rows are their global positions (load_balanced_positions)."""
 
     def __init__(self, max_positions: int, embedding_dim: int, *, init_std: float = 0.02,
-                 cp: Group | None = None):
+                 cp: Group | None = None, offset: int = 0):
         super().__init__()
-        self.max_positions, self.cp = max_positions, cp
+        self.max_positions, self.cp, self.offset = max_positions, cp, offset
         self.weight = nn.Parameter(torch.empty(max_positions, embedding_dim))
         tag_parameter(self.weight, "normal", std=init_std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         b, s = tokens.shape
         n = self.cp.size if self.cp is not None else 1
-        if s * n > self.max_positions:
-            raise ValueError(f"sequence length {s * n} exceeds max_positions={self.max_positions}")
-        rows = self.weight[:s] if n == 1 else self.weight.index_select(
-            0, load_balanced_positions(s, self.cp, self.weight.device))
+        if s * n + self.offset > self.max_positions:
+            raise ValueError(f"sequence length {s * n} (rows from {self.offset}) exceeds max_positions="
+                             f"{self.max_positions}")
+        rows = self.weight[self.offset:self.offset + s] if n == 1 else self.weight.index_select(
+            0, load_balanced_positions(s, self.cp, self.weight.device) + self.offset)
         # A broadcast view over the batch: the caller adds it to the token embedding.
         return rows.unsqueeze(1).expand(s, b, self.weight.shape[1])
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Attr, LayoutRule, OpKind, Weight, need_divisible
+from .base import Attr, HFKnob, LayoutRule, OpKind, Weight, need_divisible
 
 
 def _token_shape(self, attrs, shapes, fail):
@@ -61,19 +61,27 @@ class PositionEmbedding(OpKind):
     name = "position_embedding"
     doc = "Learned absolute position embedding, replicated; takes token ids for their shape."
     attrs = (
-        Attr("num_embeddings", "int", required=True, minimum=1, doc="maximum sequence length"),
+        Attr("num_embeddings", "int", required=True, minimum=1, doc="rows of the table: the maximum sequence length "
+             "plus offset"),
         Attr("embedding_dim", "int", required=True, minimum=1),
         Attr("init_std", "float", default=0.02, minimum=0.0),
+        Attr("offset", "int", default=0, minimum=0, doc="position p reads row p + offset (OPT's learned positions: 2)"),
     )
 
     def out_shapes(self, attrs, shapes, fail):
         out = _token_shape(self, attrs, shapes, fail)
-        if out[0][0] > attrs["num_embeddings"]:
-            fail(f"sequence length {out[0][0]} exceeds num_embeddings={attrs['num_embeddings']}")
+        if out[0][0] + attrs["offset"] > attrs["num_embeddings"]:
+            fail(f"sequence length {out[0][0]}" + (f" from row {attrs['offset']}" if attrs["offset"] else "")
+                 + f" exceeds num_embeddings={attrs['num_embeddings']}")
         return out
 
     def weights(self, attrs):
         return [Weight("weight", (attrs["num_embeddings"], attrs["embedding_dim"]), "normal")]
+
+    def hf_knobs(self):
+        # an architecture's own row offset (OPT's 2), never in config.json: a mapping's import_defaults says it
+        key = "position_embedding_offset"
+        return (HFKnob(key, lambda config, n: [config[key]] * n if key in config else None, lambda a: a["offset"]),)
 
     def rule_tp(self, attrs, ctx):
         return LayoutRule(fixed_inputs=("I",), fixed_outputs=("I",))
@@ -88,6 +96,7 @@ class PositionEmbedding(OpKind):
     def constructor(self, node, ctx):
         a = node.attrs
         cp = ", cp=self.cp" if node.in_layouts[0]["cp"] == "S(s)" else ""
+        cp += f", offset={a['offset']}" if a["offset"] else ""
         return f"runtime.PositionEmbedding({a['num_embeddings']}, {a['embedding_dim']}, init_std={a['init_std']!r}{cp})"
 
     def call(self, node, args, ctx):

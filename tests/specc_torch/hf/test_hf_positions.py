@@ -2,7 +2,7 @@
 built from tiny configs (no download) with every weight moved off its init (norm gains and
 biases by about 0.3): BLOOM (ALiBi, its embedding LayerNorm, its per-head fused QKV), qwen2-tiny
 with YaRN and phi3-tiny with LongRoPE scaling, Command R+ (q/k LayerNorms with one gain per head,
-sharded with the heads; 2 K/V heads, so replicated at TP 4).
+sharded with the heads; 2 K/V heads, so replicated at TP 4), OPT (learned positions from row 2).
 
 - import, then the compiled spec's logits and per-token loss equal transformers' to 1e-4 at TP 1,
   2 and 4 with and without SP, every case in ONE 4-rank gloo world (modules compiled once here);
@@ -43,6 +43,10 @@ CASES = {
     "cohere-plus": ("specs/cohere-plus-tiny.yaml", "CohereConfig",
                     dict(_DECODER, num_key_value_heads=2, layer_norm_eps=1e-5, logit_scale=0.5, use_qk_norm=True,
                          tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "opt": ("specs/opt-tiny.yaml", "OPTConfig", dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+                                                     num_attention_heads=4, max_position_embeddings=32, dropout=0.0,
+                                                     word_embed_proj_dim=64, pad_token_id=1, bos_token_id=2,
+                                                     eos_token_id=2)),
 }
 
 
@@ -159,28 +163,32 @@ def _specc_logits(spec: str, ckpt: str, seq: int = 32, overrides: dict | None = 
 def test_longrope_takes_its_short_factors_up_to_the_original_context_and_each_variant_has_teeth(imported):
     """At 16 tokens (the original context) LongRoPE's short factors, as transformers picks them;
     and the parity above fails without what each variant adds: no ALiBi, LongRoPE's short factors
-    at 32 tokens, YaRN without its attention factor, Cohere's rotary on rotate-half pairs."""
+    at 32 tokens, YaRN without its attention factor, Cohere's rotary on rotate-half pairs, OPT's
+    positions from row 0."""
     _, ckpt, model = imported["phi3-longrope"]
     assert (_specc_logits(_spec("phi3-longrope"), ckpt, seq=16) - _hf_logits(model, 16)[0]).abs().max().item() < TOL
     rotary = "modules.SelfAttention.submodules.rotary."
     for case, key, value in [("bloom", "modules.SelfAttention.submodules.core_attention.alibi", False),
                              ("phi3-longrope", rotary + "long_factor", [1.0, 1.25, 2.0, 3.5]),
                              ("qwen2-yarn", rotary + "attention_factor", 1.0),
-                             ("cohere-plus", rotary + "interleaved", False)]:
+                             ("cohere-plus", rotary + "interleaved", False),
+                             ("opt", "modules.OPTModel.submodules.position_embedding.offset", 0)]:
         _, ckpt, model = imported[case]
         diff = (_specc_logits(_spec(case), ckpt, overrides={key: value}) - _hf_logits(model)[0]).abs().max().item()
         assert diff > 100 * TOL, (case, key, diff)
 
 
 def test_configs_the_ops_do_not_model_are_refused():
-    """BLOOM's ALiBi (import_defaults: config.json never says it), another ALiBi bias or chunk
-    size, YaRN's ramp and LongRoPE's factors and derived attention factor, op by op."""
+    """BLOOM's ALiBi and OPT's position offset (import_defaults: config.json never says them),
+    another ALiBi bias or chunk size, YaRN's ramp and LongRoPE's factors and derived attention
+    factor, op by op."""
     from specc_torch.hf import HFError
     from specc_torch.hf.convert import check_modeled, model_params
 
     bloom = model_params(_spec("bloom"), {"modules.SelfAttention.submodules.core_attention.alibi": False},
                          with_graph=True)[3]
     yarn = model_params(_spec("qwen2-yarn"), with_graph=True)[3]
+    gpt = model_params(os.path.join(ROOT, "specs", "gpt-tiny.yaml"), with_graph=True)[3]
     longrope = model_params(_spec("phi3-longrope"), with_graph=True)[3]
     rope = dict(CASES["qwen2-yarn"][2]["rope_parameters"])
     long = dict(CASES["phi3-longrope"][2]["rope_parameters"])
@@ -188,6 +196,7 @@ def test_configs_the_ops_do_not_model_are_refused():
     check_modeled(longrope, {"rope_parameters": long, "max_position_embeddings": 32}, "x", "y")
     for graph, config, message in [
         (bloom, {"alibi": True}, "alibi = true, but spec y models false at layers.0.self_attention.core_attention"),
+        (gpt, {"position_embedding_offset": 2}, "position_embedding_offset = 2, but spec y models 0 at position_embedding"),
         (yarn, {"attn_config": {"alibi": True, "alibi_bias_max": 8}}, "alibi = true, but spec y models false"),
         (yarn, {"attention_chunk_size": 8}, "attention_chunk_size = 8, but spec y models none"),
         (yarn, {"rope_parameters": {**rope, "beta_fast": 16}}, "rope beta_fast = 16, but spec y models 32.0"),
@@ -217,13 +226,15 @@ def test_verify_at_tp_x_sp_cp_2_and_pp_2(gloo):
     and 4 with and without SP, TP 2 x CP 2 (ALiBi by global position) and PP 2 x TP 2; LongRoPE at
     CP 2 (the whole sequence's length picks the long factors on every rank); Command R+ at TP 4 with
     SP (its K norm gains replicated over 2 ranks, their gradients summed; its CP 2 and PP 2 are
-    `specc verify specs/cohere-plus-tiny.yaml --tp 2 --sp on --cp 2` and `--pp 2 --batch 4`)."""
+    `specc verify specs/cohere-plus-tiny.yaml --tp 2 --sp on --cp 2` and `--pp 2 --batch 4`); OPT at
+    TP 2 x CP 2 (the offset rows at the chunks' global positions)."""
     cases = [("specs/bloom-tiny.yaml", dict(tps=[1, 2], sps=[False, True])),
              ("specs/bloom-tiny.yaml", dict(tps=[4], sps=[False, True])),
              ("specs/bloom-tiny.yaml", dict(tps=[2], sps=[True], cps=[2], pp_settings=[(2, None, 2, 1, True)],
                                             pps=[2])),
              ("tests/specc_torch/specs/phi3-longrope-tiny.yaml", dict(tps=[1], sps=[False], cps=[2])),
-             ("specs/cohere-plus-tiny.yaml", dict(tps=[4], sps=[True]))]
+             ("specs/cohere-plus-tiny.yaml", dict(tps=[4], sps=[True])),
+             ("specs/opt-tiny.yaml", dict(tps=[2], sps=[True], cps=[2]))]
     rows = [row for case in cases for row in gloo.run(4, _verify, [case])[0]]  # each call within the pool's limit
     bad = [r for _, r in rows if not r.ok]
     assert not bad, bad
