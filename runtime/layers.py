@@ -268,8 +268,8 @@ class PositionEmbedding(nn.Module):
         b, s = tokens.shape
         n = self.cp.size if self.cp is not None else 1
         if s * n + self.offset > self.max_positions:
-            raise ValueError(f"sequence length {s * n} (rows from {self.offset}) exceeds max_positions="
-                             f"{self.max_positions}")
+            rows = f" (rows from {self.offset})" if self.offset else ""
+            raise ValueError(f"sequence length {s * n}{rows} exceeds max_positions={self.max_positions}")
         rows = self.weight[self.offset:self.offset + s] if n == 1 else self.weight.index_select(
             0, load_balanced_positions(s, self.cp, self.weight.device) + self.offset)
         # A broadcast view over the batch: the caller adds it to the token embedding.
