@@ -226,6 +226,7 @@ def check_bench(device: str, spec: str, micro_batch: int, steps: int, gemm_n: in
     from runtime.train.training import setup_model_and_optimizer, train_step
     from specc.plan.build import build_plan
     from specc.plan.render import plan_dict
+    from specc.settings import Settings
     from specc_torch.api import compile_source
     from specc_torch.train import compile_model
 
@@ -236,8 +237,8 @@ def check_bench(device: str, spec: str, micro_batch: int, steps: int, gemm_n: in
     setup = setup_model_and_optimizer(cfg, pg, torch.device(device), compiled=compile_model(cfg))
     config = setup.spec.config
     vocab, seq = int(config["vocab_size"]), int(config["seq_length"])
-    _, _, graph = compile_source(cfg.spec, 1, overrides=overrides, micro_batch_size=micro_batch,
-                                 dtype="bf16" if bf16 else "fp32")
+    settings = Settings(micro_batch_size=micro_batch, dtype="bf16" if bf16 else "fp32")
+    _, _, graph = compile_source(cfg.spec, settings, overrides)
     totals = plan_dict(build_plan(graph))["totals"]
     planned = totals["parameter_bytes"] + totals["gradient_bytes"] + totals["optimizer_bytes"] + totals["activation_bytes"]
     batches = [[_batch(vocab, seq, micro_batch, 1234 + i, device)] for i in range(3)]

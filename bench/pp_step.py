@@ -58,9 +58,10 @@ def _per_stage(cfg, pp: int, virtual: int):
 def plan_bubble(cfg, pp: int, virtual: int, m: int) -> float:
     """The plan's bubble fraction at m micro-batches for the model compiled at this PP (and V)."""
     from specc.plan.build import build_plan
+    from specc.settings import Settings
 
-    _, _, graph = specc_torch.compile_source(SPEC, 1, overrides=overrides(cfg), micro_batch_size=1, pp=pp,
-                                             pp_virtual_stage_layers=_per_stage(cfg, pp, virtual))
+    settings = Settings(pp=pp, pp_virtual_stage_layers=_per_stage(cfg, pp, virtual), dtype="fp32")
+    _, _, graph = specc_torch.compile_source(SPEC, settings, overrides(cfg))
     return build_plan(graph).totals["pipeline"]["bubble"][str(m)]
 
 

@@ -299,8 +299,9 @@ def _plan(cfg) -> dict:
     """specc's plan of gpt.yaml at the bench's sizes, at TP=1 (FLOPs are the whole model's)."""
     from specc.plan.build import build_plan
     from specc.plan.render import plan_dict
+    from specc.settings import Settings
 
-    _, _, graph = specc_torch.compile_source(SPEC, 1, overrides=overrides(cfg), micro_batch_size=cfg.batch)
+    _, _, graph = specc_torch.compile_source(SPEC, Settings(micro_batch_size=cfg.batch, dtype="fp32"), overrides(cfg))
     return plan_dict(build_plan(graph))
 
 

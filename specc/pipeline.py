@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from .errors import Loc, SpecError
 from .frontend.load import load_spec
-from .frontend.model import Settings
 from .ir import build_graph
 from .ops import OPS
 from .passes.optimize import cancel_inverses, fuse_boundaries
@@ -12,6 +11,7 @@ from .passes.parallelize import parallelize
 from .passes.pipeline import cut_pipeline
 from .passes.recompute import mark_recompute
 from .passes.resolve import available, resolve
+from .settings import Settings
 
 
 def compile_graph(spec, have=available, lint: bool = False, plan_only: bool = False):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 
 from specc.errors import Loc, SpecError
-from specc.frontend.model import Settings
-from specc.passes.pipeline import check_pipeline_flags
+from specc.settings import TABLE as SETTINGS_TABLE
+from specc.settings import Settings
 
 from .megatron_flags import apply_spec_flags
 from .usage import COMMAND_FLAGS, MEGATRON_NOTES, MEGATRON_REFUSED, SPEC_FLAG_OVERRIDES, UsageError, UsageErrors
@@ -233,28 +233,27 @@ def _flag_groups(words: list) -> list:
     return groups
 
 
-def spec_flags(p: argparse.ArgumentParser, sp_default=False) -> None:
+def add_settings_flags(g, names, megatron_first: bool = False) -> None:
+    """The flags of the named settings, read from their declarations (specc/settings.py): each
+    under Megatron's name and its alias (the alias first unless `megatron_first`)."""
+    for f, meta in SETTINGS_TABLE:
+        if f.name not in names:
+            continue
+        flags = meta.flags if megatron_first else tuple(sorted(meta.flags, key=len))
+        if meta.kind is bool:
+            g.add_argument(*flags, dest=f.name, action="store_false" if f.default else "store_true", help=meta.help)
+            continue
+        g.add_argument(*flags, dest=f.name, type=meta.kind, default=f.default, choices=meta.choices or None,
+                       metavar=None if meta.choices else meta.metavar, help=meta.help)
+
+
+def spec_flags(p: argparse.ArgumentParser) -> None:
     """Flags every command that compiles a spec accepts (Megatron's names, with short aliases)."""
     g = p.add_argument_group("parallel settings")
-    g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1, metavar="N",
-                   help="tensor-parallel size (default 1)")
-    g.add_argument("--sp", "--sequence-parallel", dest="sp", action="store_true", default=sp_default,
-                   help="sequence parallelism in the regions between tensor-parallel GEMMs")
-    g.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1, metavar="N",
-                   help="context-parallel size: the sequence sharded over N ranks in load-balanced chunks (default 1)")
-    g.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("auto", "p2p", "all_gather"), default="auto",
-                   help="attention over the context-parallel group: p2p (ring), all_gather, or auto (the cost model)")
-    g.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1, metavar="N",
-                   help="expert-parallel size: the MoE experts split over N of the data-parallel ranks (default 1)")
+    add_settings_flags(g, Settings.names("parallel"))
     g.add_argument("--expert-tensor-parallel-size", dest="etp", type=int, default=None, metavar="N",
                    help="tensor parallelism inside each expert: equals --tensor-model-parallel-size here")
-    pipeline_flags(g)
-    g.add_argument("--backend", choices=("auto", "native", "te"), default="auto",
-                   help="implementation for ops that say impl: auto (default auto: TransformerEngine where installed)")
-    g.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="micro-batch size for sizes in the plan")
-    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="activation/parameter dtype for bytes")
-    g.add_argument("--no-fuse", dest="fuse", action="store_false",
-                   help="keep every boundary as its own call (no absorption into GEMMs)")
+    add_settings_flags(g, Settings.names("compile"))
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (or a dotted path in the spec); repeatable")
     for key, flag in MEGATRON_CONFIG_FLAGS.items():
@@ -262,102 +261,27 @@ def spec_flags(p: argparse.ArgumentParser, sp_default=False) -> None:
     recompute_flags(p)
 
 
-RECOMPUTE_GRANULARITIES = ("full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
-
-
 def recompute_flags(p: argparse.ArgumentParser) -> None:
     """Megatron's activation-recompute flags, with Megatron's meaning (docs/training.md)."""
-    g = p.add_argument_group("activation recompute")
-    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
-                   help="full: recompute whole layers from their input in backward; selective: recompute the "
-                   "attention core (its s x s scores are not kept)")
-    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
-                   help="with full: uniform (checkpoint groups of --recompute-num-layers consecutive layers) or "
-                   "block (recompute only the first --recompute-num-layers layers)")
-    g.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
-                   help="with full: layers per recomputed group (uniform) or layers recomputed (block); default 1")
+    add_settings_flags(p.add_argument_group("activation recompute"), Settings.names("recompute"))
 
 
 def recompute_from(args) -> dict:
-    """The recompute settings of parsed flags, Megatron's rules checked: one located line naming
-    the flag for a combination that has no meaning."""
-    granularity = getattr(args, "recompute_granularity", None)
-    method = getattr(args, "recompute_method", None)
-    layers = getattr(args, "recompute_num_layers", None)
-    if granularity is None:
-        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers)):
-            if value is not None:
-                raise SpecError(Loc(f"{flag} {value}"), "has no effect without --recompute-granularity full",
-                                "add --recompute-granularity full, or drop it")
-        return {}
-    if granularity == "selective":
-        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers)):
-            if value is not None:
-                raise SpecError(Loc(f"{flag} {value}"), "applies to --recompute-granularity full only (selective "
-                                "recomputes the attention core of every layer)", f"drop {flag}")
-        return {"recompute_granularity": "selective"}
-    if method is None:
-        raise SpecError(Loc("--recompute-granularity full"), "needs --recompute-method uniform or block",
-                        "uniform: groups of --recompute-num-layers layers; block: the first N layers only")
-    layers = 1 if layers is None else layers
-    if layers < 1:
-        raise SpecError(Loc(f"--recompute-num-layers {layers}"), "must be at least 1")
-    return {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": layers}
+    """The recompute settings given on the command line (those not None), their rules checked:
+    one located line naming the flag for a combination that has no meaning."""
+    given = Settings(**{name: getattr(args, name, None) for name in Settings.names("recompute")}).check_flags()
+    return {name: value for name, value in given.group("recompute").items() if value is not None}
 
 
-def pipeline_flags(g) -> None:
-    """Pipeline parallelism (Megatron's names): the stage count, interleaving, and where layers go."""
-    g.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1, metavar="N",
-                   help="pipeline-parallel size: the repeated layers cut into N stages (default 1)")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", dest="pp_virtual_stage_layers", type=int,
-                   default=None, metavar="N", help="interleaved pipeline: N layers per model chunk, "
-                   "num_layers / (PP * N) chunks per rank")
-    g.add_argument("--decoder-first-pipeline-num-layers", dest="pp_first_stage_layers", type=int, default=None,
-                   metavar="N", help="layers on the first pipeline stage (the rest split evenly)")
-    g.add_argument("--decoder-last-pipeline-num-layers", dest="pp_last_stage_layers", type=int, default=None,
-                   metavar="N", help="layers on the last pipeline stage (the rest split evenly)")
-    g.add_argument("--pipeline-model-parallel-layout", dest="pp_layout", default=None, metavar="LAYOUT",
-                   help="layers per stage by hand: stages split by |, E the embedding side, t a layer (t*3: "
-                   "three), L the output and loss; e.g. 'Et*3|t*4|t*4|t*3L'")
-
-
-def settings_from(args):
-    if args.tp < 1:
-        raise SpecError(Loc("--tensor-model-parallel-size"), f"must be at least 1, got {args.tp}")
-    if args.micro_batch_size < 1:
-        raise SpecError(Loc("--micro-batch-size"), f"must be at least 1, got {args.micro_batch_size}")
-    if args.sp and args.tp == 1:
-        raise SpecError(Loc("--sequence-parallel"), "needs --tensor-model-parallel-size 2 or more (sequence "
-                        "parallelism shards the sequence over the tensor-parallel ranks)", "add --tp N, or drop --sp")
-    if args.cp < 1:
-        raise SpecError(Loc("--context-parallel-size"), f"must be at least 1, got {args.cp}")
-    if args.cp_comm_type != "auto" and args.cp == 1:
-        raise SpecError(Loc("--cp-comm-type"), "has no effect without context parallelism",
-                        "add --context-parallel-size N, or drop --cp-comm-type")
-    check_expert_parallel(args)
-    check_pipeline_flags(args.pp, args.pp_virtual_stage_layers, args.pp_first_stage_layers,
-                         args.pp_last_stage_layers, args.pp_layout)
-    return Settings(tp=args.tp, sp=args.sp and args.tp > 1, backend=args.backend,
-                    micro_batch_size=args.micro_batch_size, dtype=args.dtype, fuse=args.fuse, cp=args.cp,
-                    cp_comm_type=args.cp_comm_type, pp=args.pp, pp_virtual_stage_layers=args.pp_virtual_stage_layers,
-                    pp_first_stage_layers=args.pp_first_stage_layers, pp_last_stage_layers=args.pp_last_stage_layers,
-                    pp_layout=args.pp_layout, ep=getattr(args, "ep", 1),
-                    **recompute_from(args))
-
-
-def check_expert_parallel(args) -> None:
-    """--expert-model-parallel-size and --expert-tensor-parallel-size: one-line errors."""
-    ep, etp = getattr(args, "ep", 1), getattr(args, "etp", None)
-    if ep < 1:
-        raise SpecError(Loc("--expert-model-parallel-size"), f"must be at least 1, got {ep}")
-    if ep > 1 and args.cp > 1:
-        raise SpecError(Loc("--expert-model-parallel-size"), "expert parallelism with context parallelism is not "
-                        "supported yet", "use --context-parallel-size 1 with expert parallelism")
-    if etp is not None and etp != args.tp:
+def settings_from(args) -> Settings:
+    """The Settings of parsed flags (every rule checked, one located line for the first broken)."""
+    settings = Settings(**{f.name: getattr(args, f.name) for f, _ in SETTINGS_TABLE if hasattr(args, f.name)}).check_flags()
+    etp = getattr(args, "etp", None)
+    if etp is not None and etp != settings.tp:
         raise SpecError(Loc("--expert-tensor-parallel-size"), f"{etp} differs from the tensor-model-parallel size "
-                        f"{args.tp}: experts are sharded over the tensor-parallel ranks",
-                        f"drop it, or give --expert-tensor-parallel-size {args.tp}")
+                        f"{settings.tp}: experts are sharded over the tensor-parallel ranks",
+                        f"drop it, or give --expert-tensor-parallel-size {settings.tp}")
+    return settings
 
 
 def overrides_from(args) -> list:

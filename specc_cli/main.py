@@ -176,8 +176,8 @@ def cmd_verify(args) -> int:
     located = overrides_from(args)
     overrides = {key: value for key, value, _ in located}
     recompute = recompute_from(args)
-    from specc.frontend.model import Settings
     from specc.pipeline import load_and_compile
+    from specc.settings import Settings
 
     if max(eps) > 1 and max(cps) > 1:
         raise SpecError(Loc("--ep"), "expert parallelism with context parallelism is not supported yet",

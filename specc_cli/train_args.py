@@ -9,7 +9,15 @@ import argparse
 import sys
 
 from specc.errors import SpecError
-from specc_cli.args import MEGATRON_CONFIG_FLAGS, ArgumentParser, UsageError, add_flag_table, recompute_flags
+from specc.settings import Settings
+from specc_cli.args import (
+    MEGATRON_CONFIG_FLAGS,
+    ArgumentParser,
+    UsageError,
+    add_flag_table,
+    add_settings_flags,
+    recompute_flags,
+)
 
 from .data import add_tokenizer_arguments
 
@@ -100,21 +108,9 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                        "from the latest checkpoint in --save")
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1, metavar="N")
-    g.add_argument("--sequence-parallel", "--sp", dest="sp", action="store_true",
-                   help="sequence parallelism between the tensor-parallel GEMMs (needs TP > 1)")
-    g.add_argument("--context-parallel-size", "--cp", dest="cp", type=int, default=1, metavar="N",
-                   help="context parallelism: each sample's sequence sharded over N ranks in load-balanced chunks "
-                   "(default 1)")
-    g.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("auto", "p2p", "all_gather"), default="auto",
-                   help="attention over the context-parallel group: p2p (ring), all_gather, or auto (the cost model)")
-    g.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int, default=1, metavar="N",
-                   help="MoE experts split over N of the data-parallel ranks (default 1)")
+    add_settings_flags(g, Settings.names("parallel"), megatron_first=True)
     g.add_argument("--expert-tensor-parallel-size", dest="etp", type=int, default=None, metavar="N",
                    help="tensor parallelism inside each expert: equals --tensor-model-parallel-size here")
-    from specc_cli.args import pipeline_flags
-
-    pipeline_flags(g)
     g.add_argument("--pipeline-schedule", dest="pp_schedule", default=None,
                    choices=("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble"),
                    help="torch.distributed.pipelining schedule (default 1f1b; interleaved_1f1b with virtual stages)")
@@ -140,7 +136,7 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
                    help="override any config value of the spec; repeatable")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=1, metavar="B")
+    add_settings_flags(g, ("micro_batch_size",), megatron_first=True)
     g.add_argument("--global-batch-size", type=int, default=None, metavar="B",
                    help="default: micro batch * DP (no accumulation)")
     g.add_argument("--train-iters", type=int, default=None, metavar="N", help="default 100")

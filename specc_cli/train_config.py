@@ -15,6 +15,7 @@ from runtime.train.config import (
     ScheduleConfig,
     TrainConfig,
 )
+from specc.settings import Settings
 from specc_torch.train import Launch, spec_stem
 
 from .args import MEGATRON_NOTES, overrides_from, recompute_from
@@ -25,12 +26,8 @@ def config_from_args(args) -> TrainConfig:
     return TrainConfig(
         spec=args.spec,
         overrides=overrides,
-        parallel=ParallelConfig(tp=args.tp, sp=args.sp, cp=args.cp, cp_comm_type=args.cp_comm_type, pp=args.pp,
-                                pp_virtual_stage_layers=args.pp_virtual_stage_layers,
-                                pp_first_stage_layers=args.pp_first_stage_layers,
-                                pp_last_stage_layers=args.pp_last_stage_layers, pp_layout=args.pp_layout,
-                                pp_schedule=args.pp_schedule, ep=args.ep, etp=args.etp,
-                                transport=args.transport),
+        parallel=ParallelConfig(**{name: getattr(args, name) for name in Settings.names("parallel")},
+                                pp_schedule=args.pp_schedule, etp=args.etp, transport=args.transport),
         optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                                   clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,

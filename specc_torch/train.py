@@ -40,6 +40,7 @@ from runtime.train.config import (
     resolve,
     split_weights,
 )
+from specc.settings import Settings
 
 from .api import compile_source
 from .megatron_ckpt.files import is_megatron_dir
@@ -85,15 +86,15 @@ def _compile(cfg: TrainConfig):
     overrides = dict(cfg.overrides)
     if cfg.data.padded_vocab_size is not None and "vocab_size" not in overrides:
         overrides["vocab_size"] = cfg.data.padded_vocab_size  # the tokenizer's, padded (tokenizer_rules)
-    return compile_source(cfg.spec, cfg.parallel.tp, cfg.parallel.sp, overrides=overrides,
-                          micro_batch_size=cfg.micro_batch_size,
-                          dtype="bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32", cp=cfg.parallel.cp,
-                          cp_comm_type=cfg.parallel.cp_comm_type, pp=cfg.parallel.pp,
-                          pp_virtual_stage_layers=cfg.parallel.pp_virtual_stage_layers,
-                          pp_first_stage_layers=cfg.parallel.pp_first_stage_layers,
-                          pp_last_stage_layers=cfg.parallel.pp_last_stage_layers,
-                          pp_layout=cfg.parallel.pp_layout, recompute=cfg.recompute,
-                          ep=cfg.parallel.ep)
+    return compile_source(cfg.spec, compile_settings(cfg), overrides)
+
+
+def compile_settings(cfg: TrainConfig) -> Settings:
+    """The compiler's settings of a training configuration: the runtime's ParallelConfig holds
+    every parallel setting under the same name (tests/specc_cli/test_settings_table.py checks it)."""
+    return Settings(**{name: getattr(cfg.parallel, name) for name in Settings.names("parallel")},
+                    micro_batch_size=cfg.micro_batch_size, dtype="bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32",
+                    **cfg.recompute)
 
 
 RUN_FILES = ("model.py", "plan.txt", "plan.json")

@@ -30,6 +30,7 @@ from runtime.grads import finalize_model_grads
 from runtime.init import gather_full, randomize_parameters, replica_mismatch
 from runtime.parallel_state import ProcessGroups
 from runtime.random import RNGTracker
+from specc.settings import Settings
 
 from . import api
 
@@ -508,7 +509,7 @@ WEIGHTS = (("", False), ("random weights: ", True))
 
 
 def _verify_all(rank: int, cfg: VerifyConfig) -> list:
-    src, spec, graph = api.compile_source(cfg.spec, 1, False, overrides=cfg.overrides, micro_batch_size=cfg.batch)
+    src, spec, graph = api.compile_source(cfg.spec, Settings(micro_batch_size=cfg.batch, dtype="fp32"), cfg.overrides)
     inputs = _model_inputs(spec, graph)
     path, layout = _logits_module(graph)
     single = ProcessGroups.single()
@@ -542,9 +543,9 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
         pg = ProcessGroups.initialize(tp=tp, cp=cp, ep=ep)
         dp_batches = pg.dp.size if cfg.data_parallel else 1
         try:
-            text, spec_t, graph_t = api.compile_source(cfg.spec, tp, sp, overrides=cfg.overrides,
-                                                       micro_batch_size=cfg.batch, cp=cp, cp_comm_type=comm, ep=ep,
-                                                       recompute=cfg.recompute)
+            text, spec_t, graph_t = api.compile_source(cfg.spec, Settings(
+                tp=tp, sp=sp, cp=cp, cp_comm_type=comm, ep=ep, micro_batch_size=cfg.batch, dtype="fp32",
+                **cfg.recompute), cfg.overrides)
             if cfg.mutate and tp * cp * ep > 1:
                 text, applied = mutate_source(text, cfg.mutate)
                 if not applied:
@@ -619,8 +620,8 @@ def _verify_pipeline(cfg: VerifyConfig, reference, spec, inputs, build) -> list:
                              f"micro-batches (use --batch {dp * pp} or more)")
         pg = ProcessGroups.initialize(tp=tp, cp=cp, pp=pp, dp=dp)
         try:
-            text, spec_t, _ = api.compile_source(cfg.spec, tp, sp, overrides=cfg.overrides, micro_batch_size=1,
-                                                 cp=cp, pp=pp, pp_virtual_stage_layers=virtual)
+            text, spec_t, _ = api.compile_source(cfg.spec, Settings(
+                tp=tp, sp=sp, cp=cp, pp=pp, pp_virtual_stage_layers=virtual, dtype="fp32"), cfg.overrides)
             for prefix, randomized in WEIGHTS:
                 model = build(text, spec_t.name, pg, randomized)
                 got = _run_pipeline(model, pg, cfg, names, inputs)

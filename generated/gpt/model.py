@@ -15,7 +15,27 @@ import runtime
 
 SPEC_NAME = "gpt"
 SPEC_SHA256 = "d81f0c871d29d25ab9b4710d5ff6a8c6fce59c0f0bd35e256357f170a940a799"
-SETTINGS = {'tp': 1, 'sp': False, 'backend': 'auto', 'micro_batch_size': 1, 'dtype': 'bf16', 'fuse': True, 'cp': 1, 'cp_comm_type': 'auto', 'spec': 'specs/gpt.yaml', 'overrides': []}
+SETTINGS = {
+    'tp': 1,
+    'sp': False,
+    'cp': 1,
+    'cp_comm_type': 'auto',
+    'ep': 1,
+    'pp': 1,
+    'pp_virtual_stage_layers': None,
+    'pp_first_stage_layers': None,
+    'pp_last_stage_layers': None,
+    'pp_layout': None,
+    'recompute_granularity': None,
+    'recompute_method': None,
+    'recompute_num_layers': None,
+    'backend': 'auto',
+    'micro_batch_size': 1,
+    'dtype': 'bf16',
+    'fuse': True,
+    'spec': 'specs/gpt.yaml',
+    'overrides': [],
+}
 COMPILE_COMMAND = "specc compile specs/gpt.yaml"
 
 

@@ -16,7 +16,27 @@ from runtime import mappings
 
 SPEC_NAME = "llama"
 SPEC_SHA256 = "f46a8c28fce62cae0e0e9347f7272344459094eb00f488e58b9cf1755700d657"
-SETTINGS = {'tp': 2, 'sp': True, 'backend': 'auto', 'micro_batch_size': 1, 'dtype': 'bf16', 'fuse': True, 'cp': 1, 'cp_comm_type': 'auto', 'spec': 'specs/llama.yaml', 'overrides': []}
+SETTINGS = {
+    'tp': 2,
+    'sp': True,
+    'cp': 1,
+    'cp_comm_type': 'auto',
+    'ep': 1,
+    'pp': 1,
+    'pp_virtual_stage_layers': None,
+    'pp_first_stage_layers': None,
+    'pp_last_stage_layers': None,
+    'pp_layout': None,
+    'recompute_granularity': None,
+    'recompute_method': None,
+    'recompute_num_layers': None,
+    'backend': 'auto',
+    'micro_batch_size': 1,
+    'dtype': 'bf16',
+    'fuse': True,
+    'spec': 'specs/llama.yaml',
+    'overrides': [],
+}
 COMPILE_COMMAND = "specc compile specs/llama.yaml --tp 2 --sp"
 
 

@@ -16,7 +16,27 @@ from runtime import mappings
 
 SPEC_NAME = "parallel_block"
 SPEC_SHA256 = "472b4418fd2119c34997bc002510e7515ef214da338434d636bbff4d9b386020"
-SETTINGS = {'tp': 2, 'sp': True, 'backend': 'auto', 'micro_batch_size': 1, 'dtype': 'bf16', 'fuse': True, 'cp': 1, 'cp_comm_type': 'auto', 'spec': 'specs/parallel-block.yaml', 'overrides': []}
+SETTINGS = {
+    'tp': 2,
+    'sp': True,
+    'cp': 1,
+    'cp_comm_type': 'auto',
+    'ep': 1,
+    'pp': 1,
+    'pp_virtual_stage_layers': None,
+    'pp_first_stage_layers': None,
+    'pp_last_stage_layers': None,
+    'pp_layout': None,
+    'recompute_granularity': None,
+    'recompute_method': None,
+    'recompute_num_layers': None,
+    'backend': 'auto',
+    'micro_batch_size': 1,
+    'dtype': 'bf16',
+    'fuse': True,
+    'spec': 'specs/parallel-block.yaml',
+    'overrides': [],
+}
 COMPILE_COMMAND = "specc compile specs/parallel-block.yaml --tp 2 --sp"
 
 

@@ -45,9 +45,14 @@ def emit_model(graph, command: str, recipe: dict | None = None) -> str:
         spec_name=spec.name, description=spec.description or spec.name, version=__version__,
         spec_file=os.path.basename(spec.path), spec_hash=spec.source_hash, command=command,
         settings_line=settings.describe(), classes=classes, root_class=root_class,
-        settings_dict=ascii(recipe if recipe is not None else make_recipe(spec.path, settings)),
+        settings_dict=_dict_literal(recipe if recipe is not None else make_recipe(spec.path, settings)),
         pipeline=_pipeline_lines(graph) if graph.pipeline is not None else None,
     )
+
+
+def _dict_literal(d: dict) -> str:
+    """A dict as Python source, one key a line (SETTINGS: every setting, readable in the file)."""
+    return "{\n" + "".join(f"    {ascii(k)}: {ascii(v)},\n" for k, v in d.items()) + "}"
 
 
 def _pipeline_lines(graph) -> list:

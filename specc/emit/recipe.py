@@ -10,27 +10,7 @@ import shlex
 from dataclasses import fields
 
 from ..errors import Loc, SpecError
-from ..frontend.model import Settings
-
-_FLAGS = (  # settings field, default, how the compile command spells a non-default value
-    ("tp", 1, lambda v: f"--tp {v}"),
-    ("sp", False, lambda v: "--sp"),
-    ("cp", 1, lambda v: f"--cp {v}"),
-    ("cp_comm_type", "auto", lambda v: f"--cp-comm-type {v}"),
-    ("ep", 1, lambda v: f"--ep {v}"),
-    ("pp", 1, lambda v: f"--pp {v}"),
-    ("pp_virtual_stage_layers", None, lambda v: f"--num-layers-per-virtual-pipeline-stage {v}"),
-    ("pp_first_stage_layers", None, lambda v: f"--decoder-first-pipeline-num-layers {v}"),
-    ("pp_last_stage_layers", None, lambda v: f"--decoder-last-pipeline-num-layers {v}"),
-    ("pp_layout", None, lambda v: f"--pipeline-model-parallel-layout {shlex.quote(v)}"),
-    ("backend", "auto", lambda v: f"--backend {v}"),
-    ("micro_batch_size", 1, lambda v: f"--micro-batch-size {v}"),
-    ("dtype", "bf16", lambda v: f"--dtype {v}"),
-    ("fuse", True, lambda v: "--no-fuse"),
-    ("recompute_granularity", None, lambda v: f"--recompute-granularity {v}"),
-    ("recompute_method", None, lambda v: f"--recompute-method {v}"),
-    ("recompute_num_layers", None, lambda v: f"--recompute-num-layers {v}"),
-)
+from ..settings import Settings
 
 
 def make_recipe(spec_path: str, settings: Settings, overrides=()) -> dict:
@@ -42,12 +22,9 @@ def make_recipe(spec_path: str, settings: Settings, overrides=()) -> dict:
 
 
 def command_of(recipe: dict) -> str:
-    """The `specc compile` command that reproduces a recipe (shell-quoted)."""
-    parts = ["specc compile", shlex.quote(recipe["spec"])]
-    for name, default, spell in _FLAGS:
-        value = recipe.get(name, default)
-        if value != default and not (name == "sp" and recipe.get("tp", 1) == 1):
-            parts.append(spell(value))
+    """The `specc compile` command that reproduces a recipe (shell-quoted): the settings' flags
+    (Settings.command_flags), then the overrides."""
+    parts = ["specc compile", shlex.quote(recipe["spec"]), *settings_of(recipe).command_flags()]
     for key, value in recipe.get("overrides", []):
         text = str(value).lower() if isinstance(value, bool) else str(value)
         parts.append(f"--set {shlex.quote(f'{key}={text}')}")
@@ -55,6 +32,8 @@ def command_of(recipe: dict) -> str:
 
 
 def settings_of(recipe: dict) -> Settings:
+    """The Settings of a recipe; a field it does not name keeps its default (folders compiled
+    before the field existed)."""
     names = {f.name for f in fields(Settings)}
     return Settings(**{k: v for k, v in recipe.items() if k in names})
 

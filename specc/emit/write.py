@@ -25,12 +25,7 @@ OWN = frozenset(FILES + ("__init__.py", MARKER, "__pycache__"))
 
 
 def default_name(spec) -> str:
-    s = spec.settings
-    recompute = {None: "", "selective": "_recompute_selective"}.get(
-        s.recompute_granularity, f"_recompute_{s.recompute_method}{s.recompute_num_layers}")
-    return spec.name + (f"_tp{s.tp}" if s.tp > 1 else "") + ("_sp" if s.sp else "") + (f"_cp{s.cp}" if s.cp > 1 else "") \
-        + (f"_ep{s.ep}" if s.ep > 1 else "") + recompute \
-        + (f"_pp{s.pp}" if s.pp > 1 else "") + (f"_vpp{s.pp_virtual_stage_layers}" if s.pp_virtual_stage_layers else "")
+    return spec.name + spec.settings.folder_suffix()
 
 
 def render_all(spec, graph, command: str, recipe: dict | None = None) -> dict:

@@ -13,7 +13,7 @@ import dataclasses
 
 from ..errors import SpecError
 from ..ir.graph import Graph, Op, Value
-from ..layouts import AXIS_NAMES, BOUNDARIES, SH, SS, I, Layout, Mesh, P, R, conversion_path, has_replicas
+from ..layouts import AXIS_NAMES, BOUNDARIES, SH, SS, I, Layout, P, R, conversion_path, has_replicas
 from ..ops import OPS, Ctx
 
 PREFERENCE = (SS, I, SH, R)  # after the home placement, which wins ties
@@ -23,7 +23,7 @@ def parallelize(g: Graph, settings) -> None:
     """Type every value on every mesh axis and insert the boundaries. Axes are typed one after
     the other at each op (tp, then cp): their rules are independent, so each axis runs the same
     algorithm on its own placements."""
-    mesh = Mesh.of(tp=settings.tp, cp=settings.cp)
+    mesh = settings.mesh()
     g.mesh = mesh
     base = Ctx(tp=settings.tp, sp=settings.sp, home=SS if settings.sp else I, cp=settings.cp)
     ctxs = {axis: base.on(axis) for axis in mesh.axes}

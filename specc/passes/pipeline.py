@@ -29,16 +29,15 @@ weight per end stage, kept equal by an all-reduce of their gradients (`ties`).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from ..errors import Loc, SpecError
 from ..ops import OPS
 from ..ops.base import numel
+from ..settings import FLAG, parse_layout
 
-_FLAGS = {"virtual": "--num-layers-per-virtual-pipeline-stage", "first": "--decoder-first-pipeline-num-layers",
-          "last": "--decoder-last-pipeline-num-layers", "layout": "--pipeline-model-parallel-layout",
-          "pp": "--pipeline-model-parallel-size"}
+_FLAGS = {"virtual": FLAG["pp_virtual_stage_layers"], "first": FLAG["pp_first_stage_layers"],
+          "last": FLAG["pp_last_stage_layers"], "layout": FLAG["pp_layout"], "pp": FLAG["pp"]}
 
 
 @dataclass(frozen=True)
@@ -86,67 +85,11 @@ class Pipeline:
         self._layer_stage = {i: s.index for s in self.stages for i in s.layers}
 
 
-# -- the flags, before any spec is read --------------------------------------------------------------
-
-_LAYOUT_TOKEN = re.compile(r"\s*(E|L|t(?:\s*\*\s*(\d+))?)\s*")
-
-
-def parse_layout(text: str) -> list:
-    """`Et*3|t*4|t*3L` -> [(pre, layers, post)] per stage; a bad one is a one-line error."""
-    loc = Loc(f"{_FLAGS['layout']} {text}")
-    stages = []
-    for piece in text.split("|"):
-        pos, pre, post, layers = 0, False, False, 0
-        while pos < len(piece):
-            m = _LAYOUT_TOKEN.match(piece, pos)
-            if not m or m.end() == pos:
-                bad = piece[pos:].strip()[:1] or piece[pos:pos + 1]
-                raise SpecError(loc, f"unexpected {bad!r} in stage {len(stages)}",
-                                "stages are split by |; E the embedding side, t a layer, t*N N layers, L the output")
-            token = m.group(1)
-            if token == "E":
-                pre = True
-            elif token == "L":
-                post = True
-            else:
-                layers += int(m.group(2)) if m.group(2) else 1
-            pos = m.end()
-        stages.append((pre, layers, post))
-    return stages
-
-
-def check_pipeline_flags(pp: int, virtual: int | None, first: int | None, last: int | None,
-                         layout: str | None) -> None:
-    """What the pipeline flags can get wrong on their own; one line naming the flag."""
-    if pp < 1:
-        raise SpecError(Loc(_FLAGS["pp"]), f"must be at least 1, got {pp}")
-    given = [(k, v) for k, v in (("virtual", virtual), ("first", first), ("last", last), ("layout", layout))
-             if v is not None]
-    if pp == 1 and given:
-        raise SpecError(Loc(_FLAGS[given[0][0]]), "has no effect without pipeline parallelism",
-                        "add --pipeline-model-parallel-size N (N > 1), or drop it")
-    for key, value in (("virtual", virtual), ("first", first), ("last", last)):
-        if value is not None and value < 1:
-            raise SpecError(Loc(_FLAGS[key]), f"must be at least 1, got {value}")
-    if layout is not None and (first is not None or last is not None):
-        flag = _FLAGS["first"] if first is not None else _FLAGS["last"]
-        raise SpecError(Loc(flag), f"conflicts with {_FLAGS['layout']}, which places every layer itself",
-                        "give one of them")
-    if virtual is not None and (first is not None or last is not None):
-        flag = _FLAGS["first"] if first is not None else _FLAGS["last"]
-        raise SpecError(Loc(flag), f"cannot be combined with {_FLAGS['virtual']} (every virtual stage holds "
-                        f"the same number of layers)", "give one of them")
-    if layout is not None:
-        parse_layout(layout)
-
-
 # -- the cut -----------------------------------------------------------------------------------------
 
 def cut_pipeline(graph, settings) -> Pipeline | None:
     """The stages of a typed graph at settings.pp; None at PP=1. Sets graph.pipeline."""
-    graph.pipeline = None
-    check_pipeline_flags(settings.pp, settings.pp_virtual_stage_layers, settings.pp_first_stage_layers,
-                         settings.pp_last_stage_layers, settings.pp_layout)
+    graph.pipeline = None  # the flags were checked when the Settings were made (specc/settings.py)
     if settings.pp == 1:
         return None
     spec = graph.spec

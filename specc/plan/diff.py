@@ -7,6 +7,7 @@ import os
 import shlex
 
 from ..errors import Loc, SpecError
+from ..settings import Settings
 from .render import human_bytes, plan_dict
 
 
@@ -109,7 +110,8 @@ def _op_changes(name: str, oa: dict, ob: dict) -> list:
 
 def diff_plans(a: dict, b: dict):
     lines = [f"--- {a['_label']}", f"+++ {b['_label']}"]
-    sa, sb = a.get("settings", {}), b.get("settings", {})
+    defaults = Settings().as_dict()  # a plan.json written before a setting existed had its default
+    sa, sb = {**defaults, **a.get("settings", {})}, {**defaults, **b.get("settings", {})}
     changed = [f"{k} {sa.get(k)} -> {sb.get(k)}" for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k)]
     if changed:
         lines.append("settings: " + "; ".join(changed))

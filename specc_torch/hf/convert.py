@@ -26,6 +26,7 @@ from runtime.checkpoint.core import check_params, check_spec
 from runtime.files import not_a_file
 from runtime.parallel_state import ProcessGroups
 from specc.errors import SpecError
+from specc.settings import Settings
 
 from .. import api
 from .mapping import Mapping, bind, expert_names, ignored, mapping_of
@@ -53,7 +54,7 @@ def _safetensors():
 def model_params(spec_path: str, overrides: dict | None = None, with_graph: bool = False):
     """(spec, {"name", "sha256"}, {parameter name: ParamInit}) of the spec compiled at TP=1,
     built on the meta device (no memory, no initialization); and its op graph `with_graph`."""
-    source, spec, graph = api.compile_source(spec_path, 1, overrides=dict(overrides or {}))
+    source, spec, graph = api.compile_source(spec_path, Settings(dtype="fp32"), overrides or {})
     module = api.load_module_from_source(source, spec.name)
     with torch.device("meta"):
         model = getattr(module, spec.root)(ProcessGroups.single(), None)

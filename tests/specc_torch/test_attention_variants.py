@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from specc.settings import Settings
 from specc_torch import api
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -26,7 +27,7 @@ def test_every_variant_verifies_at_tp_1_2_4_and_returns_the_logits():
 
 
 def test_the_layers_get_their_own_windows():
-    source, _, graph = api.compile_source(os.path.join(ROOT, SPEC), 2, True)
+    source, _, graph = api.compile_source(os.path.join(ROOT, SPEC), Settings(tp=2, sp=True))
     windows = [op.attrs.get("window") for op in graph.iter_ops() if op.kind == "core_attention"]
     assert windows == [5, None, 5, None]
     assert source.count("window=5") == 1  # the two layer classes, each emitted once

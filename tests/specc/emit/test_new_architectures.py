@@ -111,9 +111,10 @@ def spec_file(tmp_path):
 
 
 def _compile(path, tp, sp):
+    from specc.settings import Settings
     from specc_torch.api import compile_source
 
-    return compile_source(path, tp, sp, dtype="fp32")
+    return compile_source(path, Settings(tp=tp, sp=sp, dtype="fp32"))
 
 
 def _assert_matches(name, got, ref):

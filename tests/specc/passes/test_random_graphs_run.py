@@ -31,6 +31,7 @@ from test_random_graphs import BLOCKS, H, S, V, block, submodules  # noqa: E402
 
 import specc_torch  # noqa: E402
 from specc.errors import SpecError  # noqa: E402
+from specc.settings import Settings  # noqa: E402
 
 B, WORLD, REL = 2, 4, 1e-5
 EXTRA = f"""
@@ -83,7 +84,7 @@ def test_random_graphs_run_and_match_tp1(gloo, tmp_path_factory, program, settin
     with open(path, "w") as f:
         f.write(text)
     try:  # compile it correctly or refuse it with one located line: never a module that cannot run
-        specc_torch.compile_source(path, tp, sp, cp=cp, dtype="fp32")
+        specc_torch.compile_source(path, Settings(tp=tp, sp=sp, cp=cp, dtype="fp32"))
     except SpecError as e:
         assert e.loc is not None and "\n" not in e.format()
         return

@@ -118,6 +118,7 @@ def _parity_on_ranks(rank, world, tp, full, sources, expected, expected_loss):
 
 
 def test_deepseek_v3_matches_transformers_at_tp_1_2_4_with_and_without_sp(gloo, tmp_path):
+    from specc.settings import Settings
     from specc_torch.api import compile_source
 
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
@@ -128,7 +129,7 @@ def test_deepseek_v3_matches_transformers_at_tp_1_2_4_with_and_without_sp(gloo, 
     assert done["tensors"] == len(load_file(os.path.join(hf_dir, "model.safetensors")))
     sources = {}
     for tp, sp in SETTINGS:
-        text, spec, _ = compile_source(SPEC, tp, sp)
+        text, spec, _ = compile_source(SPEC, Settings(tp=tp, sp=sp))
         sources[tp, sp] = (text, spec.name)
     path = resolve(ckpt)
     full = read_tensors(path, list(read_info(path)["params"]))

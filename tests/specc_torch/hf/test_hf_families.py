@@ -61,6 +61,7 @@ def _parity_on_ranks(rank, world, cases, sources, resave):
 
 
 def test_every_family_matches_transformers_at_tp_1_2_4_with_and_without_sp(gloo, tmp_path):
+    from specc.settings import Settings
     from specc_torch.api import compile_source
 
     cases, sources, resave, hf_dirs = [], {}, {}, {}
@@ -71,7 +72,7 @@ def test_every_family_matches_transformers_at_tp_1_2_4_with_and_without_sp(gloo,
         import_hf(hf_dir, SPECS[family], ckpt, overrides or None)
         cases.append((case, ckpt, expected, hf_loss(expected)))
         for tp, sp in SETTINGS:
-            text, spec, _ = compile_source(SPECS[family], tp, sp, overrides=overrides)
+            text, spec, _ = compile_source(SPECS[family], Settings(tp=tp, sp=sp), overrides)
             sources[case, tp, sp] = (text, spec.name)
         if overrides:
             resave[case], hf_dirs[case] = str(tmp_path / case / "tp4"), hf_dir

@@ -24,6 +24,7 @@ from hf_helpers import ROOT, hf_logits, hf_loss, specc_logits
 
 from runtime.parallel_state import ProcessGroups
 from specc.errors import SpecError
+from specc.settings import Settings
 from specc_torch.hf import export_hf, import_hf
 
 pytest.importorskip("transformers")
@@ -86,7 +87,7 @@ def test_nemotron_h_matches_transformers_at_tp_1_2_4_with_and_without_sp_and_exp
 
     sources = {}
     for tp, sp in SETTINGS:
-        text, spec, _ = compile_source(SPEC, tp, sp)
+        text, spec, _ = compile_source(SPEC, Settings(tp=tp, sp=sp))
         sources[tp, sp] = (text, spec.name)
     for rank, results in enumerate(gloo.run(4, _parity_on_ranks, ckpt, sources)):
         assert sorted(results) == sorted(SETTINGS)
@@ -115,7 +116,7 @@ def test_context_parallelism_and_a_tp_size_splitting_a_norm_group_are_located_er
     from specc_torch.api import compile_source
 
     with pytest.raises(SpecError) as e:
-        compile_source(SPEC, **settings)
+        compile_source(SPEC, Settings(**settings))
     assert where in str(e.value) and message in str(e.value), str(e.value)
 
 

@@ -120,13 +120,14 @@ def imported(tmp_path_factory):
 
 
 def test_logits_match_transformers_at_tp_1_2_4_with_and_without_sp(gloo, imported):
+    from specc.settings import Settings
     from specc_torch.api import compile_source
 
     cases, sources = [], {}
     for case in CASES:
         cases.append((case, imported[case][1], *_hf_logits(imported[case][2])))
         for tp, sp in SETTINGS:
-            text, spec, _ = compile_source(_spec(case), tp, sp)
+            text, spec, _ = compile_source(_spec(case), Settings(tp=tp, sp=sp))
             sources[case, tp, sp] = (text, spec.name)
     diffs = gloo.run(4, _parity_on_ranks, cases, sources)[0]
     assert sorted(diffs) == sorted((case, tp, sp) for case in CASES for tp, sp in SETTINGS)
