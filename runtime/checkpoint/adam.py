@@ -9,7 +9,7 @@ shape and loads at any TP/DP layout.
 
 from __future__ import annotations
 
-from .core import flat_param_shards
+from .state import flat_param_shards
 
 
 def adam_state(optimizer, model) -> dict:

@@ -126,7 +126,7 @@ def test_the_run_directory_files_are_regular_files_or_nothing(tmp_path):
 
 def test_a_save_directory_latest_that_is_not_a_regular_file(tmp_path):
     from runtime.checkpoint import CheckpointError, latest_step
-    from runtime.checkpoint.core import LATEST, _publish
+    from runtime.checkpoint.on_disk import LATEST, _publish
 
     save = tmp_path / "save"
     save.mkdir()

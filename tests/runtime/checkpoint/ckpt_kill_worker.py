@@ -15,7 +15,7 @@ import time
 import torch.distributed.checkpoint.filesystem as dcp_fs
 from ckpt_helpers import GPT
 
-import runtime.checkpoint.core as core
+import runtime.checkpoint.on_disk as on_disk
 import specc_torch
 from runtime.checkpoint import save_checkpoint
 
@@ -44,18 +44,18 @@ def main() -> None:
 
         dcp_fs._write_item = write_item
     elif phase in ("info", "latest"):
-        original_write = core._write_durably
+        original_write = on_disk._write_durably
 
         def write_durably(path, text):
-            if phase == "info" and os.path.basename(path) == core.INFO:
+            if phase == "info" and os.path.basename(path) == on_disk.INFO:
                 with open(path, "w", encoding="utf-8") as f:
                     f.write(text[: len(text) // 2])
                 _pause(phase)
-            if phase == "latest" and os.path.basename(path).startswith(core.LATEST + ".tmp-"):
+            if phase == "latest" and os.path.basename(path).startswith(on_disk.LATEST + ".tmp-"):
                 _pause(phase)
             original_write(path, text)
 
-        core._write_durably = write_durably
+        on_disk._write_durably = write_durably
     save_checkpoint(directory, step, model)
     print("DONE", flush=True)
 

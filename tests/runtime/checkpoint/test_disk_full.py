@@ -16,7 +16,7 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from ckpt_helpers import GPT
 
 import specc_torch
-from runtime.checkpoint import CheckpointError, core, latest_step, load_checkpoint, save_checkpoint
+from runtime.checkpoint import CheckpointError, latest_step, load_checkpoint, on_disk, save_checkpoint
 
 
 def _enospc():
@@ -62,7 +62,7 @@ def test_a_full_disk_while_writing_checkpoint_json(tmp_path, monkeypatch):
     directory = str(tmp_path / "ckpt")
     model = specc_torch.build_model(GPT, seed=1)
     save_checkpoint(directory, 1, model)
-    monkeypatch.setattr(core, "_write_durably", lambda path, text: _raise_plain())
+    monkeypatch.setattr(on_disk, "_write_durably", lambda path, text: _raise_plain())
     with pytest.raises(CheckpointError, match=r"saving step 2 failed: the disk is full \(No space left on device\); "
                                               r"the checkpoint of step 1 is intact"):
         save_checkpoint(directory, 2, model)
