@@ -14,11 +14,10 @@ import datetime
 import math
 import os
 import queue
-import re
 import socket
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -33,265 +32,17 @@ from runtime.random import RNGTracker
 from specc.settings import Settings
 
 from . import api
-
-# Mutations break a compiled module on purpose, to show that verify catches each kind of bug.
-MUTATIONS = {
-    "drop-partial-grad": "forget the TP all-reduce of the first tp-partial gradient (e.g. an SP norm weight)",
-    "one-slab-segments": "shard a fused weight (QKV, gate+up) as one slab instead of per segment",
-    "drop-reduction": "replace the first reduction of partial sums by a plain split (a missing all-reduce)",
-    "drop-cp-partial-grad": "forget the CP all-reduce of the first cp-partial gradient (a parameter used on "
-                            "context-parallel chunks)",
-    "bias-on-every-rank": "add the first one-rank bias to the partial sums on every rank (its gradient still "
-                          "taken once): right while the bias is zero, as in the initial weights",
-}
-
-
-@dataclass
-class VerifyConfig:
-    spec: str
-    tps: list
-    sps: list
-    steps: int = 2
-    seed: int = 1234
-    batch: int = 2
-    overrides: dict = field(default_factory=dict)
-    lr: float = 0.1
-    tolerance: float = 1e-4  # pass: max |a - b| <= atol + tolerance * max |b|, per tensor
-    atol: float = 1e-6
-    mutate: str | None = None
-    tp_invariant_dropout: bool = False  # exact comparison with dropout on (masks drawn full-size)
-    mask_draws: int = 32  # dropout on, statistical mode: independent masks per side
-    cps: list = field(default_factory=lambda: [1])  # context-parallel sizes
-    cp_comm_types: list = field(default_factory=lambda: ["auto"])  # attention over CP: p2p, all_gather, auto
-    torch_compile: str | None = None  # a torch.compile backend for the checked models' layers (the reference is eager)
-    eps: list = field(default_factory=lambda: [1])  # expert-model-parallel sizes (carved out of the DP ranks)
-    # activation recompute of the compiled models (Settings' recompute fields); the reference never
-    # recomputes, so a pass shows recompute changes nothing
-    recompute: dict = field(default_factory=dict)
-
-    pps: list = field(default_factory=lambda: [1])  # pipeline sizes (each with every TP/CP setting)
-    pp_virtual: list = field(default_factory=lambda: [None])  # layers per virtual stage (None: not interleaved)
-    dps: list = field(default_factory=lambda: [1])  # data-parallel sizes of the pipeline settings
-    pp_schedule: str | None = None  # runtime.pipeline.SCHEDULES; None: 1F1B, interleaved 1F1B with V > 1
-    pp_settings: list | None = None  # explicit (pp, layers per virtual stage, tp, cp, sp) instead of every combination
-
-    @property
-    def data_parallel(self) -> bool:
-        """With expert parallelism every DP rank gets its own batches (the EP group's ranks must hold
-        different tokens for the all-to-alls to be tested), and gradients are averaged over DP."""
-        return max(self.eps) > 1
-
-
-
-@dataclass
-class Row:
-    setting: str
-    quantity: str
-    abs_err: float
-    rel_err: float
-    ok: bool
-    detail: str = ""
-
-
-def mutate_source(source: str, mutation: str):
-    """(broken source, whether the mutation found something to break)."""
-    if mutation == "drop-partial-grad":
-        out, n = re.subn(r"^\s*runtime\.mark_tp_partial_grad\(.*\n", "", source, count=1, flags=re.M)
-    elif mutation == "drop-cp-partial-grad":
-        out, n = re.subn(r'^\s*runtime\.mark_partial_grad\(.*"cp".*\n', "", source, count=1, flags=re.M)
-    elif mutation == "one-slab-segments":
-        out, n = re.subn(r", segments=\[[0-9, ]+\](, heads=\[[0-9, ]+\])?", "", source, count=1)
-    elif mutation == "drop-reduction":
-        out, n = re.subn(r"mappings\.(reduce_scatter_to_sequence_parallel_region|reduce_from_tensor_model_parallel_region)"
-                         r"\((\w+), self\.tp\)", lambda m: f"mappings.scatter_to_sequence_parallel_region({m.group(2)}, self.tp)"
-                         if "scatter" in m.group(1) else m.group(2), source, count=1)
-    elif mutation == "bias-on-every-rank":
-        out, n = re.subn(r"(self\.[\w.]+) \* float\(self\.tp\.rank == 0\)",
-                         r"(\1 if self.tp.rank == 0 else \1.detach())", source, count=1)
-    else:
-        raise ValueError(f"unknown mutation {mutation!r}; known: {', '.join(MUTATIONS)}")
-    return out, n > 0
-
-
-# -- one process -----------------------------------------------------------------------------------
-
-_TORCH_DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32, "act": torch.float32}
-
-
-def _data(cfg: VerifyConfig, inputs: list, step: int, dp_rank: int = 0) -> list:
-    """One batch: a tensor per declared model input, in the forward's order (data-parallel rank
-    `dp_rank`'s: each DP rank draws its own)."""
-    g = torch.Generator().manual_seed(cfg.seed * 1000 + step + 1_000_003 * dp_rank)
-    out = []
-    for _name, shape, dtype, high in inputs:
-        if high is None:
-            out.append(torch.randn(shape, generator=g).to(dtype))
-        elif high == DOCUMENTS:  # packed documents: each row cut at random points, unequal lengths
-            starts = torch.rand(shape, generator=g) < 0.25
-            starts[..., 0] = True
-            out.append(starts.long().cumsum(-1).to(dtype))
-        else:
-            out.append(torch.randint(0, high, shape, generator=g).to(dtype))
-    return out
-
-
-def _model_inputs(spec, graph) -> list:
-    """(name, shape, torch dtype, high) of every input the spec declares, in the root module's order.
-    Integer inputs are drawn below `high`, the smallest range an op that indexes with them accepts:
-    an embedding's rows, the cross-entropy's vocabulary (its logits' last dim) for its labels. An
-    integer input no op indexes with (read for its shape, like positions) is drawn below its last
-    dim, but attention's document ids as packed documents of random, unequal lengths (high is
-    DOCUMENTS). Float inputs are drawn from a standard normal (verify runs in fp32)."""
-    out = []
-    for inp, value_id in zip(spec.inputs, graph.inputs):
-        dtype = _TORCH_DTYPES[graph.values[value_id].dtype]
-        high = None
-        if not dtype.is_floating_point:
-            bounds = _index_bounds(graph, value_id)
-            high = min(bounds) if bounds else DOCUMENTS if _document_ids(graph, value_id) else inp.shape[-1]
-        out.append((inp.name, tuple(inp.shape), dtype, high))
-    return out
-
-
-DOCUMENTS = "documents"
-
-
-def _uses(graph, value_id: str):
-    """(op, value) for every op reading the value, seen through layout conversions (a boundary's
-    outputs are the same ids or tokens)."""
-    todo, seen = [value_id], set()
-    while todo:
-        v = todo.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        for op in graph.users(v):
-            if op.kind == "boundary":
-                todo += op.outputs
-            else:
-                yield op, v
-
-
-def _document_ids(graph, value_id: str) -> bool:
-    """Does the input reach an attention's 4th input (document ids)?"""
-    return any(op.kind == "core_attention" and op.inputs[3:] == [v] for op, v in _uses(graph, value_id))
-
-
-def _index_bounds(graph, value_id: str) -> list:
-    bounds = []
-    for op, v in _uses(graph, value_id):
-        if op.kind == "embedding":
-            bounds.append(op.attrs["num_embeddings"])
-        elif op.kind == "cross_entropy" and op.inputs[1] == v:
-            bounds.append(graph.values[op.inputs[0]].shape[-1])
-    return bounds
-
-
-def _converts(graph, op_id) -> bool:
-    from specc.ops import OPS
-
-    return OPS[graph.ops[op_id].kind].converts()
-
-
-def _site(graph, op) -> tuple:
-    """How to gather an op's first output to full shape: (layout, segments, sequence dim, heads)."""
-    value = graph.values[op.outputs[0]]
-    segments = tuple(value.segments) or ((value.shape[-1],) if value.units and value.shape else ())
-    return op.out_layouts[0], segments, value.seq_dim, value.units
-
-
-def _holds_module(graph, op_id) -> bool:
-    from specc.ops import OPS
-    from specc.ops.base import OpKind
-
-    return type(OPS[graph.ops[op_id].kind]).constructor is not OpKind.constructor
-
-
-def _logits_module(graph):
-    """The module that produces the logits (the first input of the cross-entropy), with its site:
-    past conversions, and past ops that are function calls rather than modules (a soft cap on the
-    output layer's logits), whose effect the loss and gradient rows still see."""
-    for op in graph.iter_ops():
-        if op.kind == "cross_entropy":
-            producer = graph.values[op.inputs[0]].producer
-            while producer and (_converts(graph, producer) or not _holds_module(graph, producer)):
-                producer = graph.values[graph.ops[producer].inputs[0]].producer
-            src = graph.ops.get(producer)
-            if src is not None and src.attr_name:
-                return (f"{src.scope}.{src.attr_name}" if src.scope else src.attr_name), _site(graph, src)
-    return None, None
-
-
-def _activation_sites(graph) -> list:
-    """(module path, its output's site at each call) of every op that is a module, in execution
-    order (a module called twice, as rotary on q and k, may get values sharded differently)."""
-    sites: dict = {}
-    for op in graph.iter_ops():
-        if op.attr_name and not _converts(graph, op.id):
-            path = f"{op.scope}.{op.attr_name}" if op.scope else op.attr_name
-            sites.setdefault(path, []).append(_site(graph, op))
-    return [(path, tuple(calls)) for path, calls in sites.items()]
-
-
-def _full_activation(t, site, pg):
-    """A rank's piece of a value gathered to full shape: over tp, then over cp (un-permuting the
-    load-balanced chunks of the sequence)."""
-    layout, segments, seq_dim, units = site
-    full = _full_over_tp(t.detach().contiguous(), layout["tp"], segments, pg.tp, units)
-    if pg.cp.size > 1 and layout["cp"] == "S(s)":
-        from runtime.context_parallel import gather_load_balanced
-
-        full = gather_load_balanced(full.contiguous(), pg.cp, seq_dim)
-    return full
-
-
-def _full_over_tp(t, layout, segments, tp, units=()):
-    from runtime.init import segment_piece, unit_replicas
-    from runtime.mappings import gather_dim0, gather_last
-
-    if tp.size == 1 or layout in ("I", "R"):
-        return t.clone()
-    if layout == "S(s)":
-        return gather_dim0(t, tp)
-    if layout == "S(h)":
-        full = gather_last(t, tp)
-        segments = tuple(segments) or (full.shape[-1],)
-        units = tuple(units) if len(units) == len(segments) else (0,) * len(segments)
-        if len(segments) < 2 and not any(unit_replicas(u, tp.size) > 1 for u in units):
-            return full
-        # each rank holds a slice of every segment: regroup [q0 k0 v0 | q1 k1 v1] as [q0 q1 | k0 k1 | v0 v1],
-        # taking a head replicated over ranks from its first replica
-        local = [segment_piece(n, u, 0, tp.size)[1] for n, u in zip(segments, units)]
-        per_rank = [c.split(local, dim=-1) for c in full.chunk(tp.size, dim=-1)]
-        return torch.cat([per_rank[r][i] for i, u in enumerate(units)
-                          for r in range(0, tp.size, unit_replicas(u, tp.size))], dim=-1)
-    out = t.clone()  # P: the true value is the sum over ranks
-    from runtime.comm import all_reduce
-    all_reduce(out, tp)
-    return out
-
-
-def _capture(model, sites):
-    """Forward hooks recording each op module's outputs (a list: a module may run twice)."""
-    store, handles = {}, []
-    for path, _ in sites:
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            continue
-        def hook(m, i, o, path=path):
-            if isinstance(o, torch.Tensor):
-                store.setdefault(path, []).append(o)
-        handles.append(module.register_forward_hook(hook))
-    return store, handles
-
-
-def _loss_and_returned(out):
-    """A model returns its per-token loss, or the loss first and further values (the logits, for
-    evaluation and generation), each already complete and replicated on every rank."""
-    if isinstance(out, (tuple, list)):
-        return out[0], [o.detach().clone() for o in out[1:]]
-    return out, []
+from .verify_compare import _compare, _compare_named, _row, _statistical_row
+from .verify_config import MUTATIONS, Row, VerifyConfig, mutate_source  # noqa: F401 (MUTATIONS: for the command line)
+from .verify_graph import (
+    _activation_sites,
+    _capture,
+    _data,
+    _full_activation,
+    _logits_module,
+    _loss_and_returned,
+    _model_inputs,
+)
 
 
 def _run(model, pg, cfg, inputs, logits_path, logits_site, sites, dp_batches: int = 1):
@@ -398,62 +149,6 @@ def _gather_over_dp(loss, pg):
     return gather_dim0(loss.detach().contiguous(), pg.dp)
 
 
-def _compare(setting: str, ref: dict, got: dict, tol: float, atol: float) -> list:
-    rows = [_row(setting, "loss (every step)", got["loss"], ref["loss"], tol, atol)]
-    if ref["logits"] is not None and got["logits"] is not None:
-        rows.append(_row(setting, "logits", got["logits"], ref["logits"], tol, atol))
-    for i, (r, g) in enumerate(zip(ref.get("returned", []), got.get("returned", []))):
-        rows.append(_row(setting, f"returned value {i + 1} (as the model returns it)", g, r, tol, atol))
-    rows.append(_compare_activations(setting, ref["activations"], got["activations"], tol, atol))
-    for what in ("grads", "weights"):
-        label = "gradients (all params)" if what == "grads" else f"weights after {ref['loss'].shape[0]} SGD steps"
-        rows.append(_compare_named(setting, label, ref[what], got[what], tol, atol, passed_detail=""))
-    if got.get("replicas"):  # every TP rank holding a replicated head holds the same gradient and weight
-        def relative(name):
-            full = got["weights"][name[:-len(" (weight)")]] if name.endswith(" (weight)") else got["grads"][name]
-            return got["replicas"][name] / max(float(full.abs().max()), 1e-12)
-
-        worst = max(got["replicas"], key=relative)
-        rows.append(Row(setting, "replicated heads agree across TP ranks", got["replicas"][worst], relative(worst),
-                        relative(worst) <= tol, f"{len(got['replicas'])} gradients and weights; worst {worst}"))
-    return rows
-
-
-def _compare_activations(setting, ref: dict, got: dict, tol: float, atol: float) -> Row:
-    """Every op module's output, in execution order; names the first one that diverges."""
-    worst_abs, worst_rel, first_bad = 0.0, 0.0, None
-    for path, ref_outs in ref.items():
-        for i, r in enumerate(ref_outs):
-            outs = got.get(path, [])
-            g = outs[i] if i < len(outs) else None
-            if g is None or g.shape != r.shape:
-                first_bad = first_bad or f"first diverging activation: {path} (missing or shape differs)"
-                continue
-            a, rel = _errors(g, r)
-            worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, rel)
-            if first_bad is None and not _close(g, r, tol, atol):
-                first_bad = f"first diverging activation: output of {path} (abs err {a:.2e}, rel err {rel:.2e})"
-    return Row(setting, f"activations ({len(ref)} op outputs)", worst_abs, worst_rel, first_bad is None, first_bad or "")
-
-
-def _close(got, ref, tol: float, atol: float) -> bool:
-    diff = (got.double() - ref.double()).abs().max().item()
-    return diff <= atol + tol * ref.double().abs().max().item()
-
-
-def _errors(got, ref):
-    diff = (got.double() - ref.double()).abs().max().item()
-    scale = ref.double().abs().max().item() or 1.0
-    return diff, diff / scale
-
-
-def _row(setting, quantity, got, ref, tol, atol) -> Row:
-    if got.shape != ref.shape:
-        return Row(setting, quantity, float("inf"), float("inf"), False, f"shape {tuple(got.shape)} != {tuple(ref.shape)}")
-    a, rel = _errors(got, ref)
-    return Row(setting, quantity, a, rel, _close(got, ref, tol, atol))
-
-
 def _has_dropout(graph) -> bool:
     return any((op.kind == "dropout" and op.attrs["p"] > 0) or (op.kind == "core_attention" and op.attrs["dropout"] > 0)
                for op in graph.iter_ops())
@@ -464,18 +159,6 @@ def _mask_losses(model, cfg, inputs) -> torch.Tensor:
     batch = _data(cfg, inputs, 0)
     with torch.no_grad():
         return torch.stack([_loss_and_returned(model(*batch))[0] for _ in range(cfg.mask_draws)])
-
-
-def _statistical_row(setting: str, ref: torch.Tensor, got: torch.Tensor) -> Row:
-    """Dropout on, different masks on each side: each token's expected loss must agree. The
-    largest per-token z-score (difference of means over its standard error) must stay below 6,
-    which chance exceeds with probability ~1e-7 per token."""
-    n = ref.shape[0]
-    diff = (got.mean(0) - ref.mean(0)).abs()
-    se = ((ref.var(0) + got.var(0)) / n).sqrt().clamp_min(1e-6)
-    z = (diff / se).max().item()
-    return Row(setting, f"per-token loss with dropout ({n} masks each)", diff.max().item(),
-               (diff / ref.mean(0).abs().clamp_min(1e-12)).max().item(), z < 6.0, f"max z-score {z:.2f} (limit 6)")
 
 
 def _plan_counts(graph) -> dict:
@@ -700,24 +383,6 @@ def _collect(model, pg, what, init_name, is_tied_copy, trainable: bool = False) 
         for key, t in part.items():
             out.setdefault(key, t)
     return dict(sorted(out.items()))
-
-
-def _compare_named(setting, label, ref: dict, got: dict, tol, atol, passed_detail: str | None = None) -> Row:
-    """One row for a set of named tensors (gradients, weights): the worst error and the first
-    tensor that diverges; when all pass, `passed_detail` (default: how many were compared)."""
-    worst, first_bad, abs_max = 0.0, None, 0.0
-    for name, r in ref.items():
-        g = got.get(name)
-        if g is None or g.shape != r.shape:
-            first_bad = first_bad or f"{name} (missing or shape {None if g is None else tuple(g.shape)} != {tuple(r.shape)})"
-            worst = float("inf")
-            continue
-        a, rel = _errors(g, r)
-        abs_max, worst = max(abs_max, a), max(worst, rel)
-        if not _close(g, r, tol, atol) and first_bad is None:
-            first_bad = f"first diverging parameter: {name} (abs err {a:.2e}, rel err {rel:.2e})"
-    done = f"{len(ref)} tensors" if passed_detail is None else passed_detail
-    return Row(setting, label, abs_max, worst, first_bad is None, first_bad or done)
 
 
 def _settings(cfg: VerifyConfig) -> list:
