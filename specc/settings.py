@@ -158,6 +158,12 @@ class Settings:
                                                "parallelism is not supported yet",
                                                "use --context-parallel-size 1 with expert parallelism")),
                       token=lambda s: f"_ep{s.ep}" if s.ep > 1 else "", show=_shown_if("ep", lambda v: v > 1))
+    etp: int | None = setting(None, "parallel", ("--expert-tensor-parallel-size",), "tensor parallelism inside each "
+                              "expert: equals --tensor-model-parallel-size here", metavar="N",
+                              rules=(Rule(lambda s, v: v is not None and v != s.tp, "{value} differs from the "
+                                          "tensor-model-parallel size {s.tp}: experts are sharded over the "
+                                          "tensor-parallel ranks", "drop it, or give --expert-tensor-parallel-size "
+                                          "{s.tp}"),))
     pp: int = setting(1, "parallel", ("--pipeline-model-parallel-size", "--pp"), "pipeline-parallel size: the "
                       "repeated layers cut into N stages (default 1)", metavar="N", rules=(at_least(1),),
                       token=lambda s: f"_pp{s.pp}" if s.pp > 1 else "", show=_shown_if("pp", lambda v: v > 1))

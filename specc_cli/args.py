@@ -251,8 +251,6 @@ def spec_flags(p: argparse.ArgumentParser) -> None:
     """Flags every command that compiles a spec accepts (Megatron's names, with short aliases)."""
     g = p.add_argument_group("parallel settings")
     add_settings_flags(g, Settings.names("parallel"))
-    g.add_argument("--expert-tensor-parallel-size", dest="etp", type=int, default=None, metavar="N",
-                   help="tensor parallelism inside each expert: equals --tensor-model-parallel-size here")
     add_settings_flags(g, Settings.names("compile"))
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (or a dotted path in the spec); repeatable")
@@ -275,13 +273,7 @@ def recompute_from(args) -> dict:
 
 def settings_from(args) -> Settings:
     """The Settings of parsed flags (every rule checked, one located line for the first broken)."""
-    settings = Settings(**{f.name: getattr(args, f.name) for f, _ in SETTINGS_TABLE if hasattr(args, f.name)}).check_flags()
-    etp = getattr(args, "etp", None)
-    if etp is not None and etp != settings.tp:
-        raise SpecError(Loc("--expert-tensor-parallel-size"), f"{etp} differs from the tensor-model-parallel size "
-                        f"{settings.tp}: experts are sharded over the tensor-parallel ranks",
-                        f"drop it, or give --expert-tensor-parallel-size {settings.tp}")
-    return settings
+    return Settings(**{f.name: getattr(args, f.name) for f, _ in SETTINGS_TABLE if hasattr(args, f.name)}).check_flags()
 
 
 def overrides_from(args) -> list:

@@ -109,8 +109,6 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
 
     g = p.add_argument_group("parallelism")
     add_settings_flags(g, Settings.names("parallel"), megatron_first=True)
-    g.add_argument("--expert-tensor-parallel-size", dest="etp", type=int, default=None, metavar="N",
-                   help="tensor parallelism inside each expert: equals --tensor-model-parallel-size here")
     g.add_argument("--pipeline-schedule", dest="pp_schedule", default=None,
                    choices=("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble"),
                    help="torch.distributed.pipelining schedule (default 1f1b; interleaved_1f1b with virtual stages)")

@@ -27,7 +27,7 @@ def config_from_args(args) -> TrainConfig:
         spec=args.spec,
         overrides=overrides,
         parallel=ParallelConfig(**{name: getattr(args, name) for name in Settings.names("parallel")},
-                                pp_schedule=args.pp_schedule, etp=args.etp, transport=args.transport),
+                                pp_schedule=args.pp_schedule, transport=args.transport),
         optimizer=OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                                   clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,

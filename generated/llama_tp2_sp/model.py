@@ -22,6 +22,7 @@ SETTINGS = {
     'cp': 1,
     'cp_comm_type': 'auto',
     'ep': 1,
+    'etp': None,
     'pp': 1,
     'pp_virtual_stage_layers': None,
     'pp_first_stage_layers': None,

@@ -19,13 +19,13 @@ from specc_cli.train_args import build_rank_parser
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SPEC = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
-RUNTIME_ONLY = {"pp_schedule", "dp", "transport", "etp"}  # etp: half-wired, not in the table yet
+RUNTIME_ONLY = {"pp_schedule", "dp", "transport"}  # what the runtime adds: the schedule, derived DP, the CPU transport
 
 # every field away from its default, in two consistent combinations
 SAMPLES = (
     Settings(tp=2, sp=True, cp=2, cp_comm_type="all_gather", recompute_granularity="full", recompute_method="block",
              recompute_num_layers=2, backend="native", micro_batch_size=3, dtype="fp16", fuse=False),
-    Settings(tp=4, ep=2, pp=4, pp_layout="Et*3|t*4|t*4|t*3L", recompute_granularity="selective"),
+    Settings(tp=4, ep=2, etp=4, pp=4, pp_layout="Et*3|t*4|t*4|t*3L", recompute_granularity="selective"),
     Settings(pp=2, pp_virtual_stage_layers=2),
     Settings(pp=3, pp_first_stage_layers=1, pp_last_stage_layers=2),
 )
@@ -67,6 +67,7 @@ def test_describe_folder_and_settings_are_regular():
     (dict(sp=True), "--sequence-parallel: needs --tensor-model-parallel-size 2 or more"),
     (dict(cp_comm_type="p2p"), "--cp-comm-type: has no effect without context parallelism"),
     (dict(ep=2, cp=2), "--expert-model-parallel-size: expert parallelism with context parallelism"),
+    (dict(tp=2, etp=4), "--expert-tensor-parallel-size: 4 differs from the tensor-model-parallel size 2"),
     (dict(pp_layout="Et|tL"), "--pipeline-model-parallel-layout: has no effect without pipeline parallelism"),
     (dict(pp=2, pp_layout="Et|x"), "--pipeline-model-parallel-layout Et|x: unexpected 'x' in stage 1"),
     (dict(pp=2, pp_virtual_stage_layers=1, pp_first_stage_layers=1), "--decoder-first-pipeline-num-layers: "
