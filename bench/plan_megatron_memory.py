@@ -21,9 +21,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from specc.compiler import load_and_compile  # noqa: E402
 from specc.errors import Loc  # noqa: E402
 from specc.frontend.model import Settings  # noqa: E402
-from specc.pipeline import load_and_compile  # noqa: E402
 from specc.plan import build_plan  # noqa: E402
 from specc.plan.machine import load_machine  # noqa: E402
 from specc.plan.search import tokens_per_sample  # noqa: E402

@@ -19,9 +19,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from specc.compiler import load_and_compile  # noqa: E402
 from specc.errors import Loc  # noqa: E402
 from specc.frontend.model import Settings  # noqa: E402
-from specc.pipeline import load_and_compile  # noqa: E402
 from specc.plan import build_plan, plan_text  # noqa: E402
 
 SPEC = os.path.join(ROOT, "specs", "gpt-tiny.yaml")

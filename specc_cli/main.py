@@ -26,7 +26,7 @@ from . import calibrate, data, hf, megatron_ckpt, plot, train
 def compile_args(args):
     """(spec, graph) for a SPEC argument and the common flags, for the commands that only plan
     (validate, plan, graph, diff): a backend asked for by name need not be installed here."""
-    from specc.pipeline import load_and_compile
+    from specc.compiler import load_and_compile
 
     return load_and_compile(args.spec, settings_from(args), overrides_from(args), plan_only=True)
 
@@ -141,9 +141,9 @@ def cmd_diff(args) -> int:
 
 
 def cmd_compile(args) -> int:
+    from specc.compiler import load_and_compile
     from specc.emit.write import compile_to_dir
     from specc.frontend.load import MAX_NAME
-    from specc.pipeline import load_and_compile
 
     if args.name is not None and len(args.name) > MAX_NAME:
         raise SpecError(Loc("--name"), f"the name is {len(args.name)} characters long, at most {MAX_NAME}",
@@ -176,7 +176,7 @@ def cmd_verify(args) -> int:
     located = overrides_from(args)
     overrides = {key: value for key, value, _ in located}
     recompute = recompute_from(args)
-    from specc.pipeline import load_and_compile
+    from specc.compiler import load_and_compile
     from specc.settings import Settings
 
     if max(eps) > 1 and max(cps) > 1:

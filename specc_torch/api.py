@@ -16,10 +16,10 @@ import os
 
 from runtime.api import load_generated, load_module_from_source
 from runtime.parallel_state import ProcessGroups
+from specc.compiler import load_and_compile
 from specc.emit.emitter import emit_model
 from specc.emit.recipe import command_of, make_recipe
 from specc.errors import Loc
-from specc.pipeline import load_and_compile
 from specc.settings import Settings
 
 __all__ = ["build_model", "compile_source", "load_generated", "load_module_from_source"]

@@ -137,7 +137,7 @@ def compile_command_of(model_path: str) -> str:
 
 
 def check_generated(root: str, out) -> int:
-    from ..pipeline import load_and_compile
+    from ..compiler import load_and_compile
     from .recipe import command_of, overrides_of, read_recipe, settings_of
 
     if not os.path.isdir(root):

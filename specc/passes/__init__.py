@@ -1,4 +1,4 @@
-"""Passes over the op graph, run in this order by `specc.pipeline`:
+"""Passes over the op graph, run in this order by `specc.compiler`:
 
 resolve      pick an implementation for every op (native, te, flash, unfused)
 parallelize  infer layouts and insert the boundaries consumers need

@@ -39,8 +39,8 @@ def load_side(path: str, flags: str, compile_spec) -> dict:
     if os.path.isdir(path):  # a generated folder: rebuilt from what its model.py records (SETTINGS)
         if flags:
             raise SpecError(Loc(path), "flags apply to specs, not to a generated folder (it records its own)")
+        from ..compiler import load_and_compile
         from ..emit.recipe import command_of, overrides_of, read_recipe, settings_of
-        from ..pipeline import load_and_compile
         from . import build_plan
 
         model = os.path.join(path, "model.py")

@@ -19,10 +19,10 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from ..compiler import load_and_compile
 from ..errors import Loc, SpecError
 from ..layouts import DTYPE_BYTES
 from ..passes.pipeline import cut_pipeline
-from ..pipeline import load_and_compile
 from .build import OPT_BYTES, assemble_plan, plan_entries
 from .render import human_bytes
 from .time import LABELS, Job, predict

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
+from specc.compiler import load_and_compile
 from specc.frontend.model import Settings
-from specc.pipeline import load_and_compile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPECS = os.path.join(ROOT, "specs")

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
+from specc.compiler import load_and_compile
 from specc.errors import SpecError
 from specc.frontend.model import Settings
-from specc.pipeline import load_and_compile
 from specc_cli.args import overrides_from
 from specc_cli.main import build_parser, main
 

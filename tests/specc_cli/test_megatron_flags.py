@@ -14,10 +14,10 @@ import pytest
 import specc_cli.rank
 import specc_cli.train_config
 import specc_torch.train
+from specc.compiler import load_and_compile
 from specc.errors import SpecError
 from specc.frontend.megatron import FLAG
 from specc.frontend.megatron_specs import shipped
-from specc.pipeline import load_and_compile
 from specc_cli.args import overrides_from, settings_from
 from specc_cli.main import build_parser
 

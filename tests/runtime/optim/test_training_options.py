@@ -282,8 +282,8 @@ def test_megatrons_training_flags_reach_the_config():
 
 
 def test_the_plan_says_its_dtype_and_train_compiles_at_the_dtype_it_runs():
+    from specc.compiler import load_and_compile
     from specc.frontend.model import Settings
-    from specc.pipeline import load_and_compile
     from specc.plan import build_plan, plan_text
     from specc_cli.main import build_parser
     from specc_cli.train_config import config_from_args

@@ -17,12 +17,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specc.compiler import load_and_compile
 from specc.emit import emit_model
 from specc.emit.pytext import docstring_text, string_literal
 from specc.errors import SpecError
 from specc.frontend.dataflow import MODULE_GLOBALS, NN_MODULE_ATTRS, RESERVED
 from specc.frontend.model import Settings
-from specc.pipeline import load_and_compile
 from specc_cli.main import main
 
 # every free-text field a spec can carry; @NAME@ is replaced by a YAML double-quoted string

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from specc.compiler import load_and_compile
 from specc.frontend.model import Settings
 from specc.ops import SPEC_OPS
-from specc.pipeline import load_and_compile
 
 from .conftest import ROOT
 

@@ -18,10 +18,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specc.compiler import load_and_compile
 from specc.errors import Loc, SpecError
 from specc.frontend.model import Settings
 from specc.ops import SPEC_OPS
-from specc.pipeline import load_and_compile
 
 ROOT = Path(__file__).resolve().parents[3]
 SPECS = sorted((ROOT / "specs").glob("*.yaml"))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from specc.compiler import load_and_compile
 from specc.frontend.model import Settings
-from specc.pipeline import load_and_compile
 from specc.plan.build import build_plan
 from specc.summary import summarize
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from specc.compiler import load_and_compile
 from specc.emit import emit_model
 from specc.errors import SpecError
 from specc.frontend.model import Settings
 from specc.layouts import SH, SS, I, P
 from specc.ops import OPS
 from specc.ops.base import Ctx
-from specc.pipeline import load_and_compile
 from specc.plan import build_plan
 
 from ..conftest import spec_path

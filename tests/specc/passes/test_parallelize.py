@@ -134,8 +134,8 @@ def test_fused_weights_shard_per_segment(compiled):
 
 
 def test_a_fused_weight_without_segments_is_an_error(tmp_path):
+    from specc.compiler import load_and_compile
     from specc.frontend.model import Settings
-    from specc.pipeline import load_and_compile
 
     spec = tmp_path / "slab.yaml"
     spec.write_text(f"""name: slab
@@ -175,8 +175,8 @@ def test_no_fuse_keeps_boundaries_visible(compiled):
 def test_row_parallel_output_into_a_nonlinearity_is_a_located_error(tmp_path):
     spec = tmp_path / "bad.yaml"
     spec.write_text(BAD_ROW_INTO_GELU)
+    from specc.compiler import load_and_compile
     from specc.frontend.model import Settings
-    from specc.pipeline import load_and_compile
 
     with pytest.raises(SpecError) as e:
         load_and_compile(str(spec), Settings(tp=2))

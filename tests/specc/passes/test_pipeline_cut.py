@@ -203,8 +203,8 @@ modules:
 
 
 def test_no_repeated_block_is_a_located_error(tmp_path):
+    from specc.compiler import load_and_compile
     from specc.frontend.model import Settings
-    from specc.pipeline import load_and_compile
 
     path = tmp_path / "norepeat.yaml"
     path.write_text(_NO_REPEAT)

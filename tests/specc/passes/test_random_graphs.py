@@ -9,11 +9,11 @@ import re
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specc.compiler import load_and_compile
 from specc.errors import SpecError
 from specc.frontend.model import Settings
 from specc.layouts import P, conversion_path
 from specc.ops import OPS, Ctx
-from specc.pipeline import load_and_compile
 
 H, F, V, S = 16, 32, 32, 8
 BLOCKS = ("mlp", "gated_mlp", "attention", "norm", "replicated", "dropout", "parallel")

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
+from specc.compiler import compile_graph, load_and_compile
 from specc.emit import emit_model
 from specc.errors import SpecError
 from specc.frontend.load import load_spec
 from specc.frontend.model import Settings
-from specc.pipeline import compile_graph, load_and_compile
 from specc.plan import build_plan, plan_json, plan_text
 
 SPECS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "specs")

@@ -16,8 +16,8 @@ from fractions import Fraction
 
 import pytest
 
+from specc.compiler import load_and_compile
 from specc.frontend.model import Settings
-from specc.pipeline import load_and_compile
 from specc.plan import build_plan
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))

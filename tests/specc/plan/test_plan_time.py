@@ -13,10 +13,10 @@ import cProfile
 import os
 import pstats
 
+from specc.compiler import load_and_compile
 from specc.emit.emitter import emit_model
 from specc.errors import Loc
 from specc.frontend.model import Settings
-from specc.pipeline import load_and_compile
 from specc.plan import build_plan, plan_json, plan_text
 
 GPT_TINY = os.path.join(os.path.dirname(__file__), "..", "..", "..", "specs", "gpt-tiny.yaml")

@@ -8,9 +8,9 @@ import dataclasses
 import json
 import os
 
+from specc.compiler import load_and_compile
 from specc.errors import Loc, SpecError
 from specc.frontend.model import Settings
-from specc.pipeline import load_and_compile
 from specc.plan import build_plan
 from specc.plan.machine import load_machine
 from specc.plan.search import RECOMPUTE, Fixed, search, tokens_per_sample

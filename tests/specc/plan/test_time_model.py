@@ -10,9 +10,9 @@ import os
 
 import pytest
 
+from specc.compiler import load_and_compile
 from specc.errors import Loc, SpecError
 from specc.frontend.model import Settings
-from specc.pipeline import load_and_compile
 from specc.plan import build_plan
 from specc.plan.machine import Link, known_machines, load_machine
 from specc.plan.time import Job, bubble_time, collective_time, gemm_time, group_link, predict

@@ -1,4 +1,5 @@
-"""The compiler pipeline: spec file -> typed, optimized op graph -> Plan."""
+"""The compiler: spec file -> typed, optimized op graph -> Plan (the pass sequence; pipeline
+parallelism is specc/passes/pipeline.py and runtime/pipeline.py)."""
 
 from __future__ import annotations
 
