@@ -65,7 +65,7 @@ class ProcessGroups:
     embd: Group = field(default_factory=lambda: Group.single("embd"))
     # Groups this object created with dist.new_group, destroyed by destroy().
     _created: list = field(default_factory=list, repr=False, compare=False)
-    # group name -> why it has no shared-memory transport (runtime/shared_memory.open_transports)
+    # group name -> why it has no shared-memory transport (runtime/cpu/shared_memory.open_transports)
     transport_reasons: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
