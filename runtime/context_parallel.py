@@ -53,7 +53,7 @@ import torch
 
 from . import comm
 from .parallel_state import Group
-from .sharding import local_piece
+from .sharding import chunk_pair, local_piece
 
 COMM_TYPES = ("p2p", "all_gather")
 
@@ -66,17 +66,8 @@ _KV_TAG, _DKV_TAG = 11, 12
 
 
 def load_balanced_positions(local_len: int, cp: Group, device=None) -> torch.Tensor:
-    """The global positions (int64, [local_len]) of the tokens CP rank cp.rank holds:
-    chunks r and 2N-1-r of c = local_len / 2 tokens. 0..local_len-1 when cp.size == 1."""
+    """The global positions (int64, [local_len]) of CP rank cp.rank's tokens: its chunk_pair."""
     return _positions(local_len, cp.size, cp.rank, device)
-
-
-def chunk_pair(n: int, rank: int) -> tuple[int, int]:
-    """The two of the sequence's 2n chunks CP rank `rank` holds, in its local order: r and 2n-1-r
-    (every rank gets one early and one late chunk, so causal attention's work is balanced). The
-    runtime's one statement of the rule; the compiler's (specc/layouts.py) is checked against it
-    by tests/test_shared_rules.py."""
-    return rank, 2 * n - 1 - rank
 
 
 def _positions(local_len: int, n: int, rank: int, device=None) -> torch.Tensor:

@@ -171,7 +171,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "al
 def cp_chunk_pair(n: int, rank: int) -> tuple[int, int]:
     """The two of the sequence's 2n chunks that CP rank `rank` holds on S(s), in its local order:
     r and 2n-1-r (load balancing for causal attention). The compiler's one statement of the rule;
-    runtime.context_parallel.chunk_pair is checked against it by tests/test_shared_rules.py."""
+    runtime.sharding.chunk_pair is checked against it by tests/test_shared_rules.py."""
     return rank, 2 * n - 1 - rank
 
 

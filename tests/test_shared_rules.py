@@ -4,7 +4,8 @@ the other): the CP ring's chunk pair, the collective kinds, and the boundary tab
 import torch
 
 from runtime import comm, mappings
-from runtime.context_parallel import _positions, chunk_pair
+from runtime.context_parallel import _positions
+from runtime.sharding import chunk_pair
 from specc.layouts import BOUNDARIES, COLLECTIVES, cp_chunk_pair
 
 
