@@ -62,7 +62,7 @@ def test_recompute_passes_verify_at_tp1_tp2_sp_and_cp2(gloo):
 
 def _losses_and_grads(spec, overrides, recompute, pg):
     text, s, _ = api.compile_source(spec, Settings(tp=pg.tp.size, sp=pg.tp.size > 1, cp=pg.cp.size, micro_batch_size=2,
-                                                         dtype="fp32", **recompute), overrides)
+                                                         dtype="fp32", **(recompute or {})), overrides)
     tracker = runtime.RNGTracker(7, pg.tp.rank, cp_rank=pg.cp.rank)  # the streams, not the debug mode
     model = api.load_module_from_source(text, s.name).build_model(pg, seed=3, rng_tracker=tracker)
     g = torch.Generator().manual_seed(5)
@@ -115,7 +115,7 @@ S, B = 32, 2
 
 def _kept_bytes(recompute):
     """(plan activation bytes, plan per layer), (measured, measured per layer) at fp32."""
-    text, spec, graph = api.compile_source(SPEC, Settings(micro_batch_size=B, dtype="fp32", **recompute), MEMORY)
+    text, spec, graph = api.compile_source(SPEC, Settings(micro_batch_size=B, dtype="fp32", **(recompute or {})), MEMORY)
     plan = build_plan(graph)
     totals, layers = plan.totals["activation_bytes"], dict(plan.totals["activation_bytes_per_layer"])
     for e in plan.entries:
@@ -182,7 +182,7 @@ def test_recompute_counts_the_routed_tokens_of_a_forward_once():
     overrides = {"modules.TransformerLayer.submodules.mlp.expert_bias": True}
     runs = []
     for recompute in (None, FULL):
-        text, s, graph = api.compile_source(spec, Settings(micro_batch_size=2, dtype="fp32", **recompute), overrides)
+        text, s, graph = api.compile_source(spec, Settings(micro_batch_size=2, dtype="fp32", **(recompute or {})), overrides)
         model = api.load_module_from_source(text, s.name).build_model(ProcessGroups.single(), seed=3)
         g = torch.Generator().manual_seed(0)
         loss = model(*[torch.randint(0, 64, (2, graph.values[v].shape[1]), generator=g) for v in graph.inputs])
