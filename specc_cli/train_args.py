@@ -1,7 +1,7 @@
-"""The flags of `specc train SPEC [flags]` and of one training rank, `torchrun ... -m
-specc_torch.train SPEC [flags]`: Megatron's names with Megatron's meaning (Megatron's model flags
-are the spec's: specc_cli/megatron_flags.py). Parsing only: the command
-that launches is specc_cli/train.py, the rank's entry specc_torch/train.py."""
+"""The flags of `specc train SPEC [flags]` and of one training rank launched by hand, `torchrun
+... -m specc_cli.rank SPEC [flags]`: Megatron's names with Megatron's meaning (Megatron's model
+flags are the spec's: specc_cli/megatron_flags.py). Parsing only: the command that launches is
+specc_cli/train.py, the rank's entry specc_cli/rank.py."""
 
 from __future__ import annotations
 
