@@ -19,7 +19,7 @@ import torch
 from hf_helpers import SPECS, save_hf
 from safetensors.torch import load_file, save_file
 
-from specc import cli
+from specc_cli.main import main
 from specc_torch.hf import HFError, import_hf
 
 pytest.importorskip("transformers")
@@ -63,7 +63,7 @@ def _refused(hf_dir, tmp_path) -> str:
 
 def _cli(hf_dir, tmp_path, capfd):
     """(exit code, stderr) of `specc hf import` run as the command line runs it."""
-    code = cli.main(["hf", "import", str(hf_dir), "--spec", SPECS["llama"], "--out", str(tmp_path / "cli-ckpt")])
+    code = main(["hf", "import", str(hf_dir), "--spec", SPECS["llama"], "--out", str(tmp_path / "cli-ckpt")])
     out, err = capfd.readouterr()
     assert out == "" and not os.path.exists(tmp_path / "cli-ckpt")
     return code, err
