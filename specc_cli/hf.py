@@ -4,9 +4,10 @@ Hugging Face safetensors <-> specc checkpoints, by the mapping the spec declares
 
 from __future__ import annotations
 
-import argparse
+from .convert_args import add_export_source, add_spec_and_out, overrides_of, user_error
 
-from specc.errors import Loc, SpecError
+SPEC_HELP = "the spec whose hf: mapping to use"
+SET_HELP = "override a config value of the spec; repeatable"
 
 
 def add_parsers(sub) -> None:
@@ -18,35 +19,13 @@ def add_parsers(sub) -> None:
 
     c = hf_sub.add_parser("import", help="HF_DIR -> a new specc checkpoint directory (step 0), loadable at any TP")
     c.add_argument("hf_dir", metavar="HF_DIR", help="a Hugging Face model directory")
-    _common(c)
+    add_spec_and_out(c, SPEC_HELP, SET_HELP)
     c.set_defaults(func=cmd_import)
 
     c = hf_sub.add_parser("export", help="a specc checkpoint -> a new Hugging Face model directory")
-    c.add_argument("ckpt", metavar="CKPT", help="a save directory (its latest step) or one step_N directory")
-    _common(c)
-    c.add_argument("--step", type=int, default=None, metavar="N", help="export step N instead of the latest")
-    c.add_argument("--allow-spec-change", action="store_true",
-                   help="export a checkpoint saved from another spec text if names and shapes match")
+    add_export_source(c)
+    add_spec_and_out(c, SPEC_HELP, SET_HELP)
     c.set_defaults(func=cmd_export)
-
-
-def _common(c: argparse.ArgumentParser) -> None:
-    c.add_argument("--spec", required=True, metavar="SPEC", help="the spec whose hf: mapping to use")
-    c.add_argument("--out", required=True, metavar="DIR", help="output directory (must be new or empty)")
-    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value of the spec; repeatable")
-
-
-def _overrides(args) -> dict:
-    from specc_cli.args import overrides_from
-
-    return {key: value for key, value, _ in overrides_from(args)}
-
-
-def _user_error(e: Exception) -> SpecError:
-    """CheckpointError / HFError messages are 'WHERE: WHAT': one located line."""
-    where, sep, what = str(e).partition(": ")
-    return SpecError(Loc(where), what) if sep else SpecError(None, str(e))
 
 
 def cmd_import(args) -> int:
@@ -54,9 +33,9 @@ def cmd_import(args) -> int:
     from specc_torch.hf import HFError, import_hf
 
     try:
-        done = import_hf(args.hf_dir, args.spec, args.out, _overrides(args))
+        done = import_hf(args.hf_dir, args.spec, args.out, overrides_of(args))
     except (HFError, CheckpointError) as e:
-        raise _user_error(e) from None
+        raise user_error(e) from None
     print(f"specc hf import: {args.hf_dir} ({done['architecture']}, {done['tensors']} tensors, "
           f"{done['parameters']:,} parameters) -> {done['path']} (spec {done['spec']})")
     return 0
@@ -67,10 +46,10 @@ def cmd_export(args) -> int:
     from specc_torch.hf import HFError, export_hf
 
     try:
-        done = export_hf(args.ckpt, args.spec, args.out, _overrides(args), step=args.step,
+        done = export_hf(args.ckpt, args.spec, args.out, overrides_of(args), step=args.step,
                          allow_spec_change=args.allow_spec_change)
     except (HFError, CheckpointError) as e:
-        raise _user_error(e) from None
+        raise user_error(e) from None
     print(f"specc hf export: {args.ckpt} (step {done['step']}, spec {done['spec']}) -> {done['path']} "
           f"({done['architecture']}, {done['tensors']} tensors, {done['parameters']:,} parameters)")
     return 0

@@ -6,9 +6,10 @@ command runs."""
 
 from __future__ import annotations
 
-import argparse
+from .convert_args import add_export_source, add_spec_and_out, overrides_of, user_error
 
-from .hf import _overrides, _user_error
+SPEC_HELP = "the spec whose megatron.checkpoint names to use"
+SET_HELP = "override a config value of the spec (vocab_size: Megatron's padded one); repeatable"
 
 
 def add_parsers(sub) -> None:
@@ -23,24 +24,14 @@ def add_parsers(sub) -> None:
     c.add_argument("megatron_dir", metavar="MEGATRON_DIR",
                    help="a Megatron save directory (its latest iteration) or one iter_N/ folder; torch_dist or the "
                    "legacy mp_rank_*/model_optim_rng.pt, at any TP/PP")
-    _common(c)
+    add_spec_and_out(c, SPEC_HELP, SET_HELP)
     c.add_argument("--iteration", type=int, default=None, metavar="N", help="import iter_N instead of the latest")
     c.set_defaults(func=cmd_import)
 
     c = m_sub.add_parser("export", help="a specc checkpoint -> a new Megatron Core torch_dist save directory")
-    c.add_argument("ckpt", metavar="CKPT", help="a save directory (its latest step) or one step_N directory")
-    _common(c)
-    c.add_argument("--step", type=int, default=None, metavar="N", help="export step N instead of the latest")
-    c.add_argument("--allow-spec-change", action="store_true",
-                   help="export a checkpoint saved from another spec text if names and shapes match")
+    add_export_source(c)
+    add_spec_and_out(c, SPEC_HELP, SET_HELP)
     c.set_defaults(func=cmd_export)
-
-
-def _common(c: argparse.ArgumentParser) -> None:
-    c.add_argument("--spec", required=True, metavar="SPEC", help="the spec whose megatron.checkpoint names to use")
-    c.add_argument("--out", required=True, metavar="DIR", help="output directory (must be new or empty)")
-    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value of the spec (vocab_size: Megatron's padded one); repeatable")
 
 
 def cmd_import(args) -> int:
@@ -49,9 +40,9 @@ def cmd_import(args) -> int:
     from specc_torch.megatron_ckpt import MegatronError, import_megatron
 
     try:
-        done = import_megatron(args.megatron_dir, args.spec, args.out, _overrides(args), iteration=args.iteration)
+        done = import_megatron(args.megatron_dir, args.spec, args.out, overrides_of(args), iteration=args.iteration)
     except (MegatronError, HFError, CheckpointError) as e:
-        raise _user_error(e) from None
+        raise user_error(e) from None
     if done["optimizer"]:
         print(f"note: {args.megatron_dir} also holds optimizer state, which is not converted (weights only)")
     print(f"specc megatron import: {args.megatron_dir} ({done['format']}, {done['tensors']} tensors, "
@@ -65,10 +56,10 @@ def cmd_export(args) -> int:
     from specc_torch.megatron_ckpt import MegatronError, export_megatron
 
     try:
-        done = export_megatron(args.ckpt, args.spec, args.out, _overrides(args), step=args.step,
+        done = export_megatron(args.ckpt, args.spec, args.out, overrides_of(args), step=args.step,
                                allow_spec_change=args.allow_spec_change)
     except (MegatronError, HFError, CheckpointError) as e:
-        raise _user_error(e) from None
+        raise user_error(e) from None
     print(f"specc megatron export: {args.ckpt} (step {done['step']}, spec {done['spec']}) -> {done['path']} "
           f"(torch_dist, {done['tensors']} tensors, {done['parameters']:,} parameters; weights only)")
     return 0
