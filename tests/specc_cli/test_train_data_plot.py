@@ -120,7 +120,10 @@ def test_torchrun_by_hand_trains_tp2_sp_dp2_and_plots(specc, gpt2, tmp_path):
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [r["iteration"] for r in records if r["kind"] == "train"] == list(range(1, 7))
     assert json.load(open(run_dir / "config.json"))["train"]["parallel"]["sp"] is True
-    assert len(os.listdir(run_dir / "tensorboard")) == 1
+    # one event file (rank 0 writes), and Megatron's 'vs samples' series in their own run folder
+    board = sorted(os.listdir(run_dir / "tensorboard"))
+    assert len(board) == 2 and board[0].startswith("events.out.tfevents.") and board[1] == "vs-samples"
+    assert len(os.listdir(run_dir / "tensorboard" / "vs-samples")) == 1
     code, _, err = specc("plot", run_dir)
     png = run_dir / "loss.png"
     assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
