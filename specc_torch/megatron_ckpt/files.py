@@ -44,6 +44,11 @@ LAYER = re.compile(r"^(?P<pre>(?:.*\.)?layers)\.(?P<i>\d+)\.(?P<rest>.+)$")
 # onto the fused names of its Transformer Engine spec so that both read the same checkpoints
 NORM_KEYS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
              ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+# The experts of its local spec's MoE layer (SequentialMLP) are modules mlp.experts.local_experts.E;
+# its sharded_state_dict stacks them over the experts as mlp.experts.experts.X ([E, ...] in a layer,
+# [layers, E, ...] in torch_dist), the names read and written here for both formats
+LOCAL_EXPERT = re.compile(r"^(?P<pre>.*\.experts\.)local_experts\.(?P<e>\d+)\.(?P<rest>.+)$")
+STACKED_EXPERTS = ".experts.experts."
 
 
 class MegatronError(Exception):
@@ -254,10 +259,18 @@ def write_dist(save_dir: str, iteration: int, tensors: dict, extra_state: list) 
         if sorted(layers) != list(range(len(layers))):
             raise MegatronError(f"{key}: layers {sorted(layers)} are not 0..{len(layers) - 1}")
         state[key] = torch.stack([layers[i] for i in range(len(layers))])
-    for module in extra_state:  # one object per layer, as Megatron's ShardedObject over the layer axis
+    count = len(next(iter(stacks.values()))) if stacks else 1
+    for module in extra_state:  # one object per layer (and expert), Megatron's ShardedObject over those axes
         m = LAYER.match(module)
-        if m:
-            count = len(next(iter(stacks.values()))) if stacks else 1
+        if m and STACKED_EXPERTS in module:
+            weight = tensors.get(f"{module}.weight")
+            if weight is None:
+                raise MegatronError(f"{module}: an expert module's _extra_state, but no {module}.weight is written")
+            experts = weight.shape[0]
+            for i in range(count):
+                for e in range(experts):
+                    state[f"{m['pre']}.{m['rest']}._extra_state/shard_{i}.{e}_{count}.{experts}"] = _pickled(None)
+        elif m:
             for i in range(count):
                 state[f"{m['pre']}.{m['rest']}._extra_state/shard_{i}_{count}"] = _pickled(None)
         else:
@@ -312,7 +325,8 @@ def _legacy_files(path: str) -> dict:
 def read_legacy(path: str) -> tuple[dict, bool]:
     """({(tp rank, pp rank): {per-layer name: tensor}}, has optimizer state) of a legacy
     checkpoint: each stage's local layer numbers made global, the local spec's norm names mapped
-    onto the fused ones (NORM_KEYS), _extra_state dropped."""
+    onto the fused ones (NORM_KEYS), a layer's local experts stacked (LOCAL_EXPERT), _extra_state
+    dropped."""
     files = _legacy_files(path)
     if any(ep for _tp, _pp, ep in files):
         raise MegatronError(f"{path}: expert-parallel legacy checkpoints (mp_rank_TT_PPP_EEE) are not read")
@@ -350,5 +364,25 @@ def read_legacy(path: str) -> tuple[dict, bool]:
                         rest = fused + rest[len(local):]
                 k = f"{m['pre']}.{int(m['i']) + offset[pp]}.{rest}"
             renamed[k] = v
-        out[(tp, pp)] = renamed
+        out[(tp, pp)] = _stack_experts(renamed, files[(tp, pp, 0)])
     return out, optimizer
+
+
+def _stack_experts(model: dict, where: str) -> dict:
+    """X.experts.local_experts.E.R (E = 0..n-1) as one X.experts.experts.R of [n, ...], as
+    SequentialMLP's sharded_state_dict stacks them."""
+    out, groups = {}, {}
+    for k, v in model.items():
+        m = LOCAL_EXPERT.match(k)
+        if m:
+            groups.setdefault(f"{m['pre']}experts.{m['rest']}", {})[int(m["e"])] = v
+        else:
+            out[k] = v
+    for k, experts in groups.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise MegatronError(f"{where}: the local experts of {k} are {sorted(experts)}, not 0..{len(experts) - 1}")
+        shapes = {tuple(t.shape) for t in experts.values()}
+        if len(shapes) > 1:
+            raise MegatronError(f"{where}: the local experts of {k} differ in shape ({sorted(shapes)})")
+        out[k] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
