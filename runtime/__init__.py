@@ -4,7 +4,7 @@ The base layer: nothing here imports the compiler (specc) or specc_torch, the la
 that compiles specs in memory, verifies and launches training (tests/test_layering.py)."""
 
 from .activation_recompute import recompute
-from .activations import concat, expand_heads, gelu, glu, scale, softcap, split, squared_relu, swiglu
+from .activations import clamp, concat, expand_heads, gelu, glu, scale, softcap, split, squared_relu, swiglu
 from .api import build_model
 from .comm import CommCounter, CommRecord, all_gather_into_tensor, all_reduce, reduce_scatter_tensor
 from .cross_entropy import vocab_parallel_cross_entropy
@@ -71,6 +71,7 @@ __all__ = [
     "squared_relu",
     "scale",
     "softcap",
+    "clamp",
     "split",
     "concat",
     "expand_heads",

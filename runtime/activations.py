@@ -45,6 +45,11 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
+def clamp(x: torch.Tensor, bound: float) -> torch.Tensor:
+    """x clamped to [-bound, bound] (MPT's clip_qkv): its gradient passes where x is within."""
+    return x.clamp(min=-bound, max=bound)
+
+
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] along the last dim -> silu(gate) * up.
 

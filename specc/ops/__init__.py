@@ -5,6 +5,7 @@ from .base import Attr, Ctx, LayoutRule, OpKind, Weight
 from .boundary import BoundaryOp
 from .elementwise import (
         Add,
+        Clamp,
         Dropout,
         Geglu,
         Gelu,
@@ -32,7 +33,7 @@ _ALL = (Linear(), BiasAdd(), Embedding(), PositionEmbedding(), LayerNorm(), RMSN
         Dropout(), Split(), Add(), Mul(), Rotary(), CoreAttention(), CrossEntropy(), BoundaryOp(),
         MoE(), Concat(), ExpandHeads(),
         Mamba2Mixer(),
-        Relu(), SquaredRelu(), Glu(), Geglu(), Reglu(), Scale(), Softcap())
+        Relu(), SquaredRelu(), Glu(), Geglu(), Reglu(), Scale(), Softcap(), Clamp())
 OPS = {op.name: op for op in _ALL}
 # what a spec may name with `op:` (builtins come from `+` and `*`; bias_add is made by the compiler)
 SPEC_OPS = {n: op for n, op in OPS.items() if not getattr(op, "builtin", False) and not getattr(op, "internal", False)}

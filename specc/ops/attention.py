@@ -150,6 +150,8 @@ class CoreAttention(OpKind):
             HFKnob("use_bidirectional_attention (causal)", bidirectional, lambda a: a["causal"]),
             HFKnob("alibi", _attn_config("alibi"), lambda a: a["alibi"]),
             HFKnob("alibi_bias_max", _attn_config("alibi_bias_max"), lambda a: a["alibi_max_bias"] if a["alibi"] else None),
+            # MPT's score scale (null: 1/sqrt(head_dim)): the spec's scale, or none
+            HFKnob("softmax_scale", _attn_config("softmax_scale"), lambda a: a.get("scale")),
             HFKnob("attention_chunk_size", _chunks, lambda a: a.get("chunk")),
             # multi-latent attention (DeepSeek): q/k heads of nope + rope features, values apart
             HFKnob("qk_nope_head_dim + qk_rope_head_dim",

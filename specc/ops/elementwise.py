@@ -221,6 +221,32 @@ class Softcap(_Activation):
         return f"runtime.softcap({args[0]}, {float(node.attrs['cap'])!r})"
 
 
+def _clip_qkv(config, n):
+    """requested(): clip_qkv, at config.json's top level (OLMo) or in MPT's attn_config: one bound
+    for the model, null included (no clamp)."""
+    nested = config.get("attn_config")
+    block = config if "clip_qkv" in config else nested if isinstance(nested, dict) and "clip_qkv" in nested else None
+    return None if block is None else [block["clip_qkv"]]
+
+
+class Clamp(_Activation):
+    name = "clamp"
+    doc = "x clamped to [-bound, bound] (MPT's and OLMo's clip_qkv on the fused QKV projection's output)."
+    attrs = (Attr("bound", "float", required=True, doc="the output lies in [-bound, bound]; above 0"),)
+
+    def check(self, attrs, locs, ctx):
+        if attrs["bound"] <= 0:
+            raise SpecError(locs.get("bound"), f"clamp bound={attrs['bound']} must be above 0")
+
+    def hf_knobs(self):
+        # Hugging Face clamps only q, k and v with this: a config's bound, or its null, must be what
+        # the model's clamps do; without any, none
+        return (HFKnob("clip_qkv", _clip_qkv, lambda a: a["bound"], any=True, absent=None),)
+
+    def call(self, node, args, ctx):
+        return f"runtime.clamp({args[0]}, {float(node.attrs['bound'])!r})"
+
+
 class Dropout(OpKind):
     name = "dropout"
     doc = "Dropout; in sharded regions each rank draws its own mask (Megatron's RNG tracker)."
