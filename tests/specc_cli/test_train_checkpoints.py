@@ -1,7 +1,7 @@
 """`specc train` and checkpoints from the command line: `--keep-last K` prunes old checkpoints,
 `--max-restarts R` survives a killed rank by restarting from the last checkpoint (the same losses
-as a run nobody killed), and `--load` of a `specc hf import` checkpoint trains from its weights
-with a fresh optimizer."""
+and weights as a run nobody killed), and `--load` of a `specc hf import` checkpoint trains from
+its weights with a fresh optimizer."""
 
 from __future__ import annotations
 
@@ -62,7 +62,9 @@ def test_max_restarts_resumes_a_killed_rank_from_the_last_checkpoint(specc, corp
     --log-interval (100 here), so what it buffered dies with it. Every checkpoint flushes it
     first, so the restarted run (which drops the lines after the checkpoint) ends up with every
     iteration exactly once."""
-    from runtime.checkpoint import complete_steps, latest_step
+    import torch
+
+    from runtime.checkpoint import complete_steps, latest_step, read_tensors
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     # TP=2 + SP with dropout: the resumed run must also restore every rank's RNG streams
@@ -89,6 +91,10 @@ def test_max_restarts_resumes_a_killed_rank_from_the_last_checkpoint(specc, corp
     # bit-identical, dropout included
     assert killed == straight
     assert latest_step(str(tmp_path / "b")) == 6 and complete_steps(str(tmp_path / "b")) == [4, 6]
+    # and the same weights at the end, bit for bit
+    a, b = read_tensors(str(tmp_path / "a"), step=6), read_tensors(str(tmp_path / "b"), step=6)
+    assert a.keys() == b.keys() and a
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
 
 
 def test_one_rank_with_max_restarts_is_launched_under_torchrun(specc, corpus, tmp_path, monkeypatch):
