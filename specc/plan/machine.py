@@ -4,7 +4,12 @@ A profile is a YAML file (the shipped ones in specc/plan/machines/, every number
 devices per node; per device the dense matrix-multiply peak per dtype, memory capacity and
 bandwidth; the intra-node and inter-node links (bandwidth per GPU each way, latency per step);
 how much of each peak real kernels reach (`efficiency`); and a memory allowance for the framework.
-`--machine` takes a shipped profile's name or a profile file's path."""
+Two optional keys describe a host whose framework, not its kernels, sets the pace of small ops
+(what `specc calibrate` measures on a CPU): `efficiency.op_overhead`, seconds each op call costs
+beyond its kernels' bytes and FLOPs (dispatch, autograd, allocation; 0 when absent), and
+`point_to_point`, a link that point-to-point sends inside a node take instead of `intra_node`
+(gloo's sends, which do not go through the shared memory its collectives use; absent: sends
+take the node's link). `--machine` takes a shipped profile's name or a profile file's path."""
 
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ class Machine:
     link_efficiency: float  # of a link's bandwidth, for a large collective
     framework_memory_bytes: float
     source: str  # the profile's name or path, as given
+    op_overhead: float = 0.0  # seconds per op call, forward and backward each (0: none modelled)
+    point_to_point: Link | None = None  # the link of sends inside a node, when not intra_node's
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops[dtype]
@@ -127,7 +134,9 @@ def _machine(doc, path: str, source: str) -> Machine:
             number(peaks, need)  # the located "needs" error
     eff = mapping(doc, "efficiency")
     links = {}
-    for key in ("intra_node", "inter_node"):
+    for key in ("intra_node", "inter_node", "point_to_point"):
+        if key == "point_to_point" and key not in doc:
+            continue
         m = mapping(doc, key)
         links[key] = Link(text(m, "name", key), number(m, "bandwidth"), number(m, "latency", least=-1e-300))
     return Machine(
@@ -138,4 +147,6 @@ def _machine(doc, path: str, source: str) -> Machine:
         inter_node=links["inter_node"], gemm_efficiency=number(eff, "gemm", most=1.0),
         gemm_half_flops=number(eff, "gemm_half_flops", least=-1e-300),
         memory_efficiency=number(eff, "memory", most=1.0), link_efficiency=number(eff, "link", most=1.0),
-        framework_memory_bytes=number(doc, "framework_memory_bytes", least=-1e-300), source=source)
+        framework_memory_bytes=number(doc, "framework_memory_bytes", least=-1e-300), source=source,
+        op_overhead=number(eff, "op_overhead", least=-1e-300) if "op_overhead" in eff else 0.0,
+        point_to_point=links.get("point_to_point"))

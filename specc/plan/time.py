@@ -8,7 +8,11 @@ and the memory each GPU needs. docs/planning.md states the model; in short:
   reduce-scatter and all-to-all (n-1)/n · bytes, over the link its group crosses (inside a node,
   or across nodes from the rank order: tp innermost, then cp, then dp, then pp, as
   runtime/parallel_state.py lays ranks out) at its bandwidth · link efficiency, plus one latency
-  per ring step; a point-to-point send is bytes over the link plus one latency;
+  per ring step; a point-to-point send is bytes over the link plus one latency (inside a node
+  over the profile's `point_to_point` link when it has one);
+* on a profile with `op_overhead` (a calibrated host), every op call that runs a kernel or a
+  collective costs that many seconds more, forward and backward each (and its forward again
+  when recomputed): the framework's dispatch, autograd and allocation;
 * only the overlaps the runtime performs: an op's collectives beside its own GEMMs where its
   `comm_hidden` says so (a column-parallel linear's backward gather, reduce-scatter or all-reduce
   beside its grad-input and weight-gradient GEMMs; the CP ring's steps beside the block
@@ -135,7 +139,10 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
 
     def coll(kind, nbytes, axis):
         stride, n = strides[axis]
-        return collective_time(kind, nbytes, n, links[axis][0], eff)
+        link, inside = links[axis]
+        if kind == "send" and inside and machine.point_to_point is not None:
+            link = machine.point_to_point
+        return collective_time(kind, nbytes, n, link, eff)
 
     # per stage, one micro-batch: forward, backward (recompute included), and where the time goes
     stages = pipe["stages"] if pipe else [{"stage": 0, "rank": 0, "layers": [], "send_bytes": 0, "recv_bytes": 0}]
@@ -201,6 +208,8 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
 
     crit = ranks[slowest]
     breakdown = {"compute": m * crit.parts["compute"], "memory_bound": m * crit.parts["memory"]}
+    if machine.op_overhead:
+        breakdown["op_overhead"] = m * crit.parts.get("overhead", 0.0)
     for axis in ("tp", "cp", "ep", "pp"):
         breakdown[f"{axis}_comm"] = m * crit.parts.get(axis, 0.0)
     breakdown["pipeline_bubble"] = bubble
@@ -285,6 +294,25 @@ def _add_entry(acc: _Acc, mult: float, e, machine, dtype: str, coll) -> None:
     mem_f, mem_b = e.memory
     acc.add("memory", mult * memory_time(mem_f, machine), False)
     acc.add("memory", mult * memory_time(mem_b, machine), True)
+    if machine.op_overhead:
+        calls_f, calls_b = op_calls(e)
+        acc.add("overhead", mult * calls_f * machine.op_overhead, False)
+        acc.add("overhead", mult * calls_b * machine.op_overhead, True)
+
+
+def op_calls(e) -> tuple:
+    """(forward, backward) calls of one instance of a plan entry that pay the framework's per-op
+    overhead: a call that runs a matrix multiply, a memory-bound kernel or a collective (a view
+    runs none); backward also runs the recomputed forward."""
+    f_fwd, f_bwd = e.flops
+    mem_f, mem_b = e.memory
+    fwd = 1 if (f_fwd or mem_f or e.forward) else 0
+    if e.recomputed:  # its backward traffic and collectives list the recomputed forward's first
+        mem_b, bwd_colls = mem_b - mem_f, e.backward[len(e.forward):]
+    else:
+        bwd_colls = e.backward
+    bwd = 1 if (f_bwd or mem_b > 0 or bwd_colls) else 0
+    return fwd, bwd + (fwd if e.recomputed else 0)
 
 
 def _placed(plan, stages: list):
@@ -372,6 +400,7 @@ class _Rank:
 
 LABELS = {
     "compute": "compute (GEMMs)", "memory_bound": "memory-bound kernels (norms, elementwise, softmax)",
+    "op_overhead": "per-op framework overhead (dispatch, autograd)",
     "tp_comm": "tp collectives", "cp_comm": "cp collectives", "ep_comm": "ep all-to-all",
     "pp_comm": "pp sends", "pipeline_bubble": "pipeline bubble", "dp_grad_reduce": "dp gradient reduction",
     "dp_param_gather": "dp parameter all-gather", "partial_grad_sync": "tp/cp partial-gradient all-reduce",

@@ -116,6 +116,56 @@ def test_pipeline_bubble():
         sum(a["breakdown_s"][k] for k in ("memory_bound", "pp_comm")) / 4
 
 
+def test_op_overhead_per_call():
+    """A calibrated host's per-op overhead: every entry that runs a kernel or a collective costs it
+    once forward and once backward, a recomputed one its forward again; views cost nothing."""
+    x = 1e-3
+    machine = dataclasses.replace(free_compute(A100), op_overhead=x)
+    plan, seq = plan_of()
+    fwd = sum(e.count for e in plan.entries if e.flops[0] or e.memory[0] or e.forward)
+    bwd = sum(e.count for e in plan.entries if e.flops[1] or e.memory[1] or e.backward)
+    views = [e for e in plan.entries if e.kind == "split"]
+    assert views and all(not (e.flops[0] or e.memory[0] or e.forward) for e in views)
+    pred = predict(plan, seq, machine, Job(1, 3))
+    assert pred["breakdown_s"]["op_overhead"] == pytest.approx(3 * (fwd + bwd) * x, rel=1e-12)
+    assert "op_overhead" not in predict(plan, seq, free_compute(A100), Job(1, 3))["breakdown_s"]
+    rc, _ = plan_of(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    again = sum(e.count for e in rc.entries if e.recomputed and (e.flops[0] or e.memory[0] or e.forward))
+    assert again > 0
+    assert predict(rc, seq, machine, Job(1, 3))["breakdown_s"]["op_overhead"] == pytest.approx(
+        3 * (fwd + bwd + again) * x, rel=1e-12)
+
+
+def test_point_to_point_link_carries_the_sends_inside_a_node():
+    """With a `point_to_point` link, the pipeline's sends inside a node take it (latency + bytes
+    over its bandwidth, one send each way per stage and micro-batch); across nodes they keep the
+    inter-node link."""
+    p2p = Link("sends", 1e9, 1e-3)
+    plan, seq = plan_of(pp=2, overrides=[("num_layers", 4)])
+    stages = plan.totals["pipeline"]["stages"]
+    eff = A100.link_efficiency
+
+    def sends(link):
+        return sum(link.latency + b / (link.bandwidth * eff) for st in stages
+                   for b in (st["send_bytes"], st["recv_bytes"]) if b)
+
+    free = free_compute(A100)
+    got = predict(plan, seq, dataclasses.replace(free, point_to_point=p2p), Job(2, 4))
+    ranks = plan.totals["pipeline"]["ranks"]
+    assert len(ranks) == 2
+    # the slowest rank's sends, per micro-batch, times 4 micro-batches
+    per_rank = [sum(p2p.latency + b / (p2p.bandwidth * eff) for st in stages if st["rank"] == r
+                    for b in (st["send_bytes"], st["recv_bytes"]) if b) for r in range(2)]
+    assert got["breakdown_s"]["pp_comm"] == pytest.approx(4 * max(per_rank), rel=1e-9)
+    assert sends(p2p) == pytest.approx(sum(per_rank), rel=1e-12)
+    one_per_node = dataclasses.replace(free, point_to_point=p2p, devices_per_node=1)
+    across = predict(plan, seq, one_per_node, Job(2, 4))["breakdown_s"]["pp_comm"]
+    inter = A100.inter_node
+    assert across == pytest.approx(4 * max(sum(inter.latency + b / (inter.bandwidth * eff) for st in stages
+                                               if st["rank"] == r for b in (st["send_bytes"], st["recv_bytes"])
+                                               if b) for r in range(2)), rel=1e-9)
+
+
 def test_memory_total_is_the_plans():
     plan, seq = plan_of(tp=2, sp=True)
     t = plan.totals
