@@ -10,12 +10,24 @@ same time, so ranks sharing cores measure the share they get:
 * GEMM time of square matrix multiplies by size, per dtype: fitted by least squares to the time
   model's t = (F + F_half) / R, so R is the dtype's peak (efficiency 1) and F_half the fixed cost
   of a kernel in FLOPs (from fp32);
-* memory-bound kernels: an add and a GELU over activation-sized tensors, bytes read and written
-  over time (efficiency 1);
+* memory-bound kernels: the kinds a transformer layer runs besides its GEMMs (an add, a GELU, a
+  dropout, a softmax and a layer norm) over activation-sized tensors, bytes read and written
+  (the plan's `memory_traffic` count: a dropout also writes its one-byte mask) over time; the
+  profile's bandwidth is the median rate (efficiency 1). On a CPU these are not all bound by
+  memory (the GELU's and softmax's exponentials, the dropout's random numbers): the median of
+  the kinds the model runs, not the add's rate alone, is what its traffic moves at;
 * the all-reduce over the N ranks by size: fitted to the ring's t = 2(N-1) latency +
-  2(N-1)/N bytes / bandwidth (the one link of one host: intra- and inter-node alike).
+  2(N-1)/N bytes / bandwidth (the one link of one host: intra- and inter-node alike);
+* point-to-point sends by size, each rank sending to the next and receiving from the one before
+  at once through runtime.comm.send_recv (the pipeline's and the CP ring's exchange): fitted to
+  t = latency + bytes / bandwidth, the profile's `point_to_point` link (gloo's sends do not take
+  the shared memory its collectives use);
+* the framework's cost per op call: forward and backward of chains of k tiny runtime.LayerNorm
+  calls (a few elements each, so the kernels cost next to nothing), fitted to t = a + k c; half
+  of c is `op_overhead`, the seconds an op call costs each way beyond its kernels.
 
-The slowest rank's time counts at every point. Imports torch when it runs.
+At every point the fastest of a few repeats counts, and of the ranks the slowest. Imports torch
+when it runs.
 """
 
 from __future__ import annotations
@@ -34,6 +46,8 @@ GEMM_SIZES = {"fp32": (128, 192, 256, 384, 512, 768), "bf16": (64, 96, 128, 192,
 DTYPES = ("fp32", "bf16", "fp16")
 ELEMENTWISE = (1 << 18, 1 << 20)  # elements: activation-sized tensors of small models
 ALL_REDUCE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
+SEND_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+OP_CHAINS = (8, 32, 64)  # op calls per chain
 
 
 def _slowest(seconds: float) -> float:
@@ -46,7 +60,10 @@ def _slowest(seconds: float) -> float:
 
 
 def _timed(fn, repeats: int) -> float:
-    """Median seconds of fn() after one warm-up, every rank starting together (the slowest counts)."""
+    """The fastest of `repeats` runs of fn() after one warm-up, every rank starting together (the
+    slowest rank counts). The fastest, not the median: on a host shared with other jobs a run
+    the scheduler interrupted is slower by the interruption, which is not the machine's rate
+    (bench/plan_predict.py takes the fastest training step likewise)."""
     import torch.distributed as dist
 
     fn()
@@ -56,7 +73,7 @@ def _timed(fn, repeats: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return _slowest(statistics.median(times))
+    return _slowest(min(times))
 
 
 def _fit(xs: list, ys: list) -> tuple:
@@ -72,13 +89,14 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
     import torch.distributed as dist
 
     from runtime import comm
+    from runtime.layers import LayerNorm
     from runtime.parallel_state import ProcessGroups
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     pg = ProcessGroups.initialize(dp=world)
-    reps = 3 if quick else 7
+    reps = 5 if quick else 9
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     gemm = {}
     for name in DTYPES:
@@ -89,15 +107,41 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
             points.append((2.0 * n ** 3, _timed(lambda: torch.mm(a, b), reps)))
         gemm[name] = points
     memory = []
+    fn = torch.nn.functional
     for n in ELEMENTWISE:
         x, y, z = torch.randn(n), torch.randn(n), torch.empty(n)
+        rows = x.view(-1, 256)
         memory.append((3 * 4 * n, _timed(lambda: torch.add(x, y, out=z), reps)))
-        memory.append((2 * 4 * n, _timed(lambda: torch.nn.functional.gelu(x), reps)))
-    collectives = []
+        memory.append((2 * 4 * n, _timed(lambda: fn.gelu(x), reps)))
+        memory.append(((2 * 4 + 1) * n, _timed(lambda: fn.dropout(x, 0.1, True), reps)))
+        memory.append((2 * 4 * n, _timed(lambda: torch.softmax(rows, -1), reps)))
+        memory.append((2 * 4 * n, _timed(lambda: fn.layer_norm(rows, (256,)), reps)))
+    collectives, sends = [], []
     if world > 1:
         for nbytes in ALL_REDUCE_BYTES:
             t = torch.ones(nbytes // 4)
             collectives.append((nbytes, _timed(lambda: comm.all_reduce(t, pg.dp), reps)))
+        nxt, prev = (pg.dp.rank + 1) % world, (pg.dp.rank - 1) % world
+        for nbytes in SEND_BYTES:
+            sent, inc = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+
+            def exchange():
+                for work in comm.send_recv(sent, nxt, inc, prev, pg.dp):
+                    work.wait()
+
+            sends.append((nbytes, _timed(exchange, reps)))
+    overhead = []
+    for k in OP_CHAINS:
+        norms = [LayerNorm(16) for _ in range(k)]
+        x0 = torch.randn(2, 16, requires_grad=True)
+
+        def chain():
+            x = x0
+            for norm in norms:
+                x = norm(x)
+            x.sum().backward()
+
+        overhead.append((k, _timed(chain, reps)))
     rss = 0
     try:
         with open("/proc/self/statm") as f:
@@ -105,7 +149,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
     except (OSError, ValueError):
         pass
     if rank == 0:
-        out.update(gemm=gemm, memory=memory, collectives=collectives, rss=rss,
+        out.update(gemm=gemm, memory=memory, collectives=collectives, sends=sends, overhead=overhead, rss=rss,
                    transport=pg.transport_summary(), threads=torch.get_num_threads())
     dist.barrier()
     pg.destroy() if hasattr(pg, "destroy") else None
@@ -162,6 +206,12 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
         latency, link_bw = max(a, 1e-7) / steps, share / b
     else:
         latency, link_bw = 1e-6, bandwidth
+    if m["sends"]:
+        a, b = _fit([x for x, _ in m["sends"]], [t for _, t in m["sends"]])
+        p2p_latency, p2p_bw = max(a, 1e-7), 1.0 / b
+    else:
+        p2p_latency, p2p_bw = latency, link_bw
+    op_overhead = max(0.0, _fit([k for k, _ in m["overhead"]], [t for _, t in m["overhead"]])[1] / 2)
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
@@ -177,14 +227,15 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
         f"devices_per_node: {ranks}",
         "device:",
         "  name: cpu-rank",
-        "  peak_flops:                       # t = (F + F_half) / R fitted to square GEMMs, n:median time",
+        "  peak_flops:                       # t = (F + F_half) / R fitted to square GEMMs, n:fastest time",
     ]
     for d in DTYPES:
         lines.append(f"    {d}: {peak[d]:.4e}                  # {g(d)}")
     lines.append(f"    tf32: {peak['fp32']:.4e}                # the CPU has no TF32: fp32's")
     lines += [
         f"  memory_bytes: {ram / ranks:.4e}           # the host's RAM over the ranks",
-        f"  memory_bandwidth: {bandwidth:.4e}       # median of add and GELU, bytes read + written / time: "
+        f"  memory_bandwidth: {bandwidth:.4e}       # median of add, GELU, dropout, softmax, layer norm (each "
+        "size), bytes / time: "
         + "  ".join(f"{n / t / 1e9:.1f}GB/s" for n, t in m["memory"]),
         "intra_node:",
         "  name: " + ("shared memory" if "shared memory" in m["transport"] else "gloo (loopback)"),
@@ -195,11 +246,18 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
         "  name: same host",
         f"  bandwidth: {link_bw:.4e}",
         f"  latency: {latency:.4e}",
+        "point_to_point:                     # sends (runtime.comm.send_recv), each rank to the next at once",
+        "  name: gloo sends",
+        f"  bandwidth: {p2p_bw:.4e}              # t = latency + bytes / bandwidth fitted by size: "
+        + ("  ".join(f"{n}B:{t * 1e3:.3f}ms" for n, t in m["sends"]) or "one rank: the link's"),
+        f"  latency: {p2p_latency:.4e}",
         "efficiency:                         # the peaks above are measured rates: nothing fitted on top",
         "  gemm: 1.0",
         f"  gemm_half_flops: {half:.4e}         # fp32's fixed cost per GEMM, in FLOPs",
         "  memory: 1.0",
         "  link: 1.0",
+        f"  op_overhead: {op_overhead:.4e}       # s per op call each way: chains of k LayerNorm calls "
+        "forward + backward, slope / 2; " + "  ".join(f"k={k}:{t * 1e3:.3f}ms" for k, t in m["overhead"]),
         f"framework_memory_bytes: {m['rss']:.4e}     # resident memory of a rank with torch and the runtime loaded",
     ]
     return "\n".join(lines) + "\n"

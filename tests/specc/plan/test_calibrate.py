@@ -7,16 +7,19 @@ import pytest
 
 from specc.plan.machine import load_machine
 from specc.plan.time import collective_time, gemm_time
-from specc_cli.calibrate import ALL_REDUCE_BYTES, DTYPES, ELEMENTWISE, GEMM_SIZES, profile_yaml
+from specc_cli.calibrate import ALL_REDUCE_BYTES, DTYPES, ELEMENTWISE, GEMM_SIZES, OP_CHAINS, SEND_BYTES, profile_yaml
 
 
 def test_profile_recovers_the_constants(tmp_path):
     rate = {"fp32": 40e9, "bf16": 5e9, "fp16": 4e9}
     half, bandwidth, latency, link, ranks = 3e6, 12e9, 2e-4, 3e9, 4
+    p2p_latency, p2p_link, per_call = 5e-4, 1e9, 4e-5
     measured = {
         "gemm": {d: [(2.0 * n ** 3, (2.0 * n ** 3 + half) / rate[d]) for n in GEMM_SIZES[d]] for d in DTYPES},
-        "memory": [(k * 4 * n, k * 4 * n / bandwidth) for n in ELEMENTWISE for k in (3, 2)],
+        "memory": [(k * n, k * n / bandwidth) for n in ELEMENTWISE for k in (12, 8, 9, 8, 8)],
         "collectives": [(b, 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * b / link) for b in ALL_REDUCE_BYTES],
+        "sends": [(b, p2p_latency + b / p2p_link) for b in SEND_BYTES],
+        "overhead": [(k, 1e-3 + k * 2 * per_call) for k in OP_CHAINS],  # forward and backward of k calls
         "rss": 4e8, "threads": 1, "transport": "collectives on CPU tensors: through torch.distributed",
     }
     path = tmp_path / "cpu.yaml"
@@ -28,6 +31,9 @@ def test_profile_recovers_the_constants(tmp_path):
     assert m.gemm_half_flops == pytest.approx(half, rel=1e-3)
     assert m.memory_bandwidth == pytest.approx(bandwidth, rel=1e-3)
     assert m.intra_node.latency == pytest.approx(latency, rel=1e-3) and m.intra_node.bandwidth == pytest.approx(link, rel=1e-3)
+    assert m.point_to_point.latency == pytest.approx(p2p_latency, rel=1e-3)
+    assert m.point_to_point.bandwidth == pytest.approx(p2p_link, rel=1e-3)
+    assert m.op_overhead == pytest.approx(per_call, rel=1e-3)
     # and the time model reads them back as measured
     f = 2.0 * 256 ** 3
     assert gemm_time(f, m, "fp32") == pytest.approx((f + half) / rate["fp32"], rel=1e-3)
