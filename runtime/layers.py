@@ -264,12 +264,22 @@ class PositionEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(max_positions, embedding_dim))
         tag_parameter(self.weight, "normal", std=init_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """position_ids [b, S] (S the whole sequence, also under context parallelism): each
+        token's position (row position + offset), e.g. within its packed document (Megatron's
+        --reset-position-ids); default 0..S-1."""
         b, s = tokens.shape
         n = self.cp.size if self.cp is not None else 1
         if s * n + self.offset > self.max_positions:
             rows = f" (rows from {self.offset})" if self.offset else ""
             raise ValueError(f"sequence length {s * n}{rows} exceeds max_positions={self.max_positions}")
+        if position_ids is not None:
+            if tuple(position_ids.shape) != (b, s * n):
+                raise ValueError(f"position_ids must be [b, s] = [{b}, {s * n}] (the whole sequence's, also under "
+                                 f"context parallelism), got {tuple(position_ids.shape)}")
+            if n > 1:
+                position_ids = position_ids.index_select(1, load_balanced_positions(s, self.cp, tokens.device))
+            return F.embedding(position_ids + self.offset, self.weight).transpose(0, 1)
         rows = self.weight[self.offset:self.offset + s] if n == 1 else self.weight.index_select(
             0, load_balanced_positions(s, self.cp, self.weight.device) + self.offset)
         # A broadcast view over the batch: the caller adds it to the token embedding.

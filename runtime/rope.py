@@ -147,7 +147,10 @@ class RotaryEmbedding(nn.Module):
             self._cache = cache
         return cache[4][:s], cache[5][:s]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """position_ids [b, S] (int; S the whole sequence, also under context parallelism): each
+        token's position, e.g. within its packed document (Megatron's --reset-position-ids);
+        default 0..S-1 for every sample."""
         s, b, width = x.shape
         if width % self.head_dim != 0:
             raise ValueError(f"last dim {width} is not a multiple of head_dim {self.head_dim}")
@@ -155,13 +158,22 @@ class RotaryEmbedding(nn.Module):
         n = self.cp.size if self.cp is not None else 1
         long = self.long_inv_freq is not None and s * n > self.original_max_positions
         inv_freq = self.long_inv_freq if long else self.inv_freq
-        if n > 1:
+        if position_ids is not None:
+            if tuple(position_ids.shape) != (b, s * n):
+                raise ValueError(f"position_ids must be [b, s] = [{b}, {s * n}] (the whole sequence's, also under "
+                                 f"context parallelism), got {tuple(position_ids.shape)}")
+            if n > 1:
+                position_ids = position_ids.index_select(1, load_balanced_positions(s, self.cp, x.device))
+            rows = position_ids.t().to(x.device)  # [s, b]: the rows of the table, as the default path reads them
+            cos, sin = self._cos_sin(max(s * n, int(rows.max()) + 1), x.device, x.dtype, inv_freq)
+            cos, sin = cos[rows][:, :, None, :], sin[rows][:, :, None, :]
+        elif n > 1:
             cos, sin = self._cos_sin(s * n, x.device, x.dtype, inv_freq)
             positions = load_balanced_positions(s, self.cp, x.device)
-            cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+            cos, sin = cos.index_select(0, positions)[:, None, None, :], sin.index_select(0, positions)[:, None, None, :]
         else:
             cos, sin = self._cos_sin(s, x.device, x.dtype, inv_freq)
-        cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+            cos, sin = cos[:, None, None, :], sin[:, None, None, :]
         rot, rest = heads[..., :self.rotary_dim], heads[..., self.rotary_dim:]
         if self.interleaved:
             pairs = rot.reshape(*rot.shape[:-1], self.rotary_dim // 2, 2)

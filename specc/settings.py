@@ -209,6 +209,15 @@ class Settings:
                          choices=("bf16", "fp16", "fp32"), show=lambda s: f"dtype={s.dtype}")
     fuse: bool = setting(True, "compile", ("--no-fuse",), "keep every boundary as its own call (no absorption "
                          "into GEMMs)", kind=bool, show=lambda s: f"fuse={'on' if s.fuse else 'off'}")
+    # -- packed documents (Megatron's data flags): the model takes each token's position and document
+    reset_position_ids: bool = setting(False, "compile", ("--reset-position-ids",), "the model takes position "
+                                       "ids (input position_ids): positions restart at 0 after each end-of-document "
+                                       "token (rotary and learned position embeddings)", kind=bool,
+                                       token=lambda s: "_resetpos" if s.reset_position_ids else "")
+    reset_attention_mask: bool = setting(False, "compile", ("--reset-attention-mask",), "the model takes document "
+                                         "ids (input document_ids): attention stays within each document of a "
+                                         "packed sample", kind=bool,
+                                         token=lambda s: "_resetattn" if s.reset_attention_mask else "")
 
     def __post_init__(self):
         if self.recompute_granularity == "full" and self.recompute_num_layers is None:

@@ -25,8 +25,6 @@ _FUSION = "a CUDA kernel fusion switch: the ops compute the same values unfused"
 _FP8 = "FP8 training (TransformerEngine's scaled FP8 GEMMs) is not implemented: train in --bf16"
 _STEP_SCHEDULE = ("Megatron's step-wise batch-size schedule is not implemented: the global batch is "
                   "--global-batch-size, or grows by --rampup-batch-size START INCREMENT SAMPLES")
-_RESET = ("positions and attention restarting after each end-of-document token are not implemented: the model's "
-          "inputs (the spec's tokens, labels) carry no position or document ids (--eod-mask-loss works)")
 
 # Megatron's training flags that are neither a setting here nor the spec's (specc_cli/megatron_flags.py):
 # (flag, number of values, fate, why). "no effect": accepted, and the run's log says once why it
@@ -73,8 +71,6 @@ MEGATRON_FLAG_FATES = (
     ("--tensorboard-queue-size", 1, "no effect", "how many events the TensorBoard writer holds before it writes "
      "them: the same event files"),
     ("--step-batch-size-schedule", 1, "refused", _STEP_SCHEDULE),
-    ("--reset-position-ids", 0, "refused", _RESET),
-    ("--reset-attention-mask", 0, "refused", _RESET),
     ("--grad-reduce-in-bf16", 0, "refused", "gradients are accumulated and reduced in fp32 here (the fp32 "
      "main_grad buffer); reducing them in bf16 is not implemented"),
     ("--fp8-format", 1, "refused", _FP8),
@@ -222,6 +218,8 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--eod-mask-loss", action="store_true",
                    help="no loss where the input token is the end-of-document token (the tokenizer's, or the one "
                    "`specc data prepare` recorded)")
+    # the model is compiled to take each token's position and document (specc/frontend/packed.py)
+    add_settings_flags(g, ("reset_position_ids", "reset_attention_mask"), megatron_first=True)
 
     g = p.add_argument_group("tokenizer (sizes the model's vocabulary; the data is already tokenized)")
     add_tokenizer_arguments(g)

@@ -85,7 +85,8 @@ def data_config_from_args(args) -> DataConfig:
                       tiktoken_pattern=args.tiktoken_pattern,
                       tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                      eod_mask_loss=args.eod_mask_loss)
+                      eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
+                      reset_attention_mask=args.reset_attention_mask)
 
 
 def launch_from_args(args) -> Launch:

@@ -94,6 +94,7 @@ def compile_settings(cfg: TrainConfig) -> Settings:
     every parallel setting under the same name (tests/specc_cli/test_settings_table.py checks it)."""
     return Settings(**{name: getattr(cfg.parallel, name) for name in Settings.names("parallel")},
                     micro_batch_size=cfg.micro_batch_size, dtype="bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32",
+                    reset_position_ids=cfg.data.reset_position_ids, reset_attention_mask=cfg.data.reset_attention_mask,
                     **cfg.recompute)
 
 
@@ -363,20 +364,24 @@ def tokenizer_rules(cfg: TrainConfig) -> list:
 
 
 def eod_rules(cfg: TrainConfig) -> list:
-    """--eod-mask-loss masks Megatron's tokenizer.eod: the --tokenizer-type's end-of-document
-    token (tokenizer_rules records it), else the one `specc data prepare` recorded beside the
-    data (every dataset of the run the same)."""
+    """--eod-mask-loss masks Megatron's tokenizer.eod, and --reset-position-ids and
+    --reset-attention-mask restart after it: the --tokenizer-type's end-of-document token
+    (tokenizer_rules records it), else the one `specc data prepare` recorded beside the data
+    (every dataset of the run the same)."""
     data = cfg.data
-    if not data.eod_mask_loss:
+    flag = "/".join(f for f, on in (("--eod-mask-loss", data.eod_mask_loss),
+                                     ("--reset-position-ids", data.reset_position_ids),
+                                     ("--reset-attention-mask", data.reset_attention_mask)) if on)
+    if not flag:
         return []
     if data.tokenizer_type is not None:
         return [] if data.eod is not None else [
-            f"--eod-mask-loss: the {data.tokenizer_type} tokenizer has no end-of-document token"]
+            f"{flag}: the {data.tokenizer_type} tokenizer has no end-of-document token"]
     paths = [data.data_path] if data.data_path is not None else [data.train_data_path, data.valid_data_path,
                                                                   data.test_data_path]
     prefixes = [prefix for path in paths if path is not None for _, prefix in parse_blend(path)]
     if data.mock_data or not prefixes:
-        return [f"--eod-mask-loss needs the end-of-document token's id: give --tokenizer-type ("
+        return [f"{flag} needs the end-of-document token's id: give --tokenizer-type ("
                 f"{'mock data has no tokenizer' if data.mock_data else 'the default data is byte-tokenized, without one'})"]
     found = {}
     for prefix in prefixes:
@@ -385,7 +390,7 @@ def eod_rules(cfg: TrainConfig) -> list:
     ids = set(found.values())
     if None in ids or len(ids) > 1:
         which = ", ".join(f"{p}: {found[p] if found[p] is not None else 'none recorded'}" for p in found)
-        return [f"--eod-mask-loss needs the end-of-document token's id: give --tokenizer-type (the data's "
+        return [f"{flag} needs the end-of-document token's id: give --tokenizer-type (the data's "
                 f"tokenizers recorded by specc data prepare: {which})"]
     data.eod = ids.pop()
     return []

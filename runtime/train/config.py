@@ -94,6 +94,10 @@ class DataConfig:
     make_vocab_size_divisible_by: int = 128  # the model's vocabulary: the tokenizer's padded to a multiple of this x TP
     padded_vocab_size: int | None = None  # derived from the tokenizer by the launcher's checks
     eod_mask_loss: bool = False  # Megatron's: no loss where the input token is the end-of-document token
+    # Megatron's packed documents, restarting after each end-of-document token: positions (the model
+    # takes position_ids) and attention (document_ids); the model is compiled for them (Settings)
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
     eod: int | None = None  # that token's id: the tokenizer's, or the data's (derived by the launcher's checks)
 
 

@@ -10,6 +10,7 @@ generated code) stay out of here: the loop sees a module that maps a micro-batch
 from __future__ import annotations
 
 import contextlib
+import functools
 import resource
 import time
 from dataclasses import dataclass
@@ -31,16 +32,24 @@ from .throughput import SavedActivations, tensor_bytes
 
 # -- forward steps, one per model type -----------------------------------------------------------------
 
-def lm_forward_step(model, batch) -> torch.Tensor:
+def lm_forward_step(model, batch, n_inputs: int = 2) -> torch.Tensor:
     """A language model whose forward(tokens, labels) returns the per-token loss [b, s] (or the
-    loss first and then other values, such as the logits): that loss, fp32. The batch may carry
-    a loss mask after them (loss_weights weighs the tokens)."""
-    tokens, labels = batch[0], batch[1]
-    out = model(tokens, labels)
+    loss first and then other values, such as the logits): that loss, fp32. A micro-batch is the
+    model's n_inputs inputs in the spec's order (tokens first, labels last; packed documents put
+    position_ids and document_ids between them), then, if any, a loss mask (loss_weights weighs
+    the tokens)."""
+    out = model(*batch[:n_inputs])
     return (out[0] if isinstance(out, tuple) else out).float()
 
 
-FORWARD_STEPS: dict[tuple, Callable] = {("tokens", "labels"): lm_forward_step}
+def _lm_with(*packed: str):
+    """The forward step of a language model that also takes packed documents' inputs."""
+    return ("tokens", *packed, "labels"), functools.partial(lm_forward_step, n_inputs=2 + len(packed))
+
+
+# --reset-position-ids and --reset-attention-mask add position_ids and document_ids (specc/frontend/packed.py)
+FORWARD_STEPS: dict[tuple, Callable] = dict([(("tokens", "labels"), lm_forward_step), _lm_with("position_ids"),
+                                              _lm_with("document_ids"), _lm_with("position_ids", "document_ids")])
 
 
 def forward_step_for(spec) -> Callable:
@@ -173,28 +182,34 @@ def _autocast(setup: Setup, bf16: bool):
     return torch.autocast(device_type=setup.device.type, dtype=torch.bfloat16)
 
 
-def loss_weights(micro_batches: list, pg: ProcessGroups, per_token: bool, device) -> tuple:
+def loss_weights(micro_batches: list, pg: ProcessGroups, per_token: bool, device, n_inputs: int = 2) -> tuple:
     """How each micro-batch's per-token loss enters the step, as Megatron's forward_step and
     finalize_model_grads: (weights, loss tokens of the global batch). A micro-batch's loss mask
-    is its third element (every token counts without one). weights[m] is None (the mean of
+    follows its n_inputs model inputs (every token counts without one). weights[m] is None (the mean of
     micro-batch m, 1/n of the step: no mask, not per token) or a [b, s] tensor: mask / (its
     loss tokens x n), or with `per_token` mask x DP / (the global batch's loss tokens, over all
     micro-batches and DP ranks; the gradient reduction averages over DP). The global count
     is known from the data before any forward: one all-reduce of one number."""
     n = len(micro_batches)
-    masks = [b[2].float() if len(b) > 2 else None for b in micro_batches]
-    counts = [m.sum() if m is not None else torch.tensor(float(b[1].numel()), device=device)
+    masks = [_loss_mask(b, n_inputs) for b in micro_batches]
+    masks = [m.float() if m is not None else None for m in masks]
+    counts = [m.sum() if m is not None else torch.tensor(float(b[0].numel()), device=device)
               for m, b in zip(masks, micro_batches)]
     total = torch.stack(counts).sum().reshape(1).to(device=device, dtype=torch.float64)
     if pg.dp.size > 1:
         comm.all_reduce(total, pg.dp)
     tokens = total.item()
     if per_token:
-        weights = [(m if m is not None else torch.ones(b[1].shape, device=device)) * (pg.dp.size / max(tokens, 1.0))
+        weights = [(m if m is not None else torch.ones(b[0].shape, device=device)) * (pg.dp.size / max(tokens, 1.0))
                    for m, b in zip(masks, micro_batches)]
     else:  # Megatron clamps a micro-batch's count at 1: all of it masked weighs nothing
         weights = [None if m is None else m / (c.clamp(min=1.0) * n) for m, c in zip(masks, counts)]
     return weights, tokens
+
+
+def _loss_mask(batch, n_inputs: int):
+    """A micro-batch's loss mask: the element after its n_inputs model inputs, or None."""
+    return batch[n_inputs] if len(batch) > n_inputs else None
 
 
 def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, bf16: bool = False,
@@ -212,7 +227,8 @@ def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, 
     n = len(micro_batches)
     scaler = setup.optimizer.grad_scaler
     scale = scaler.scale if scaler is not None else 1.0  # fp16: the optimizer unscales
-    weights, tokens = loss_weights(micro_batches, pg, per_token_loss, setup.device)
+    n_inputs = len(setup.spec.inputs)
+    weights, tokens = loss_weights(micro_batches, pg, per_token_loss, setup.device, n_inputs)
     # the auxiliary losses weigh as the LM loss of a micro-batch: 1/n, or per token as Megatron's
     # (unscaled per micro-batch, then the gradients over the global batch's tokens; DP averages)
     moe.set_aux_loss_scale(setup.model, scale * pg.dp.size / max(tokens, 1.0) if per_token_loss else scale / n)
@@ -235,7 +251,8 @@ def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, 
                 (per_token.mean() * (scale / n)).backward()
             else:
                 ((per_token * weights[i]).sum() * scale).backward()
-        masked += (per_token.detach() if len(batch) < 3 else per_token.detach() * batch[2]).double().sum()
+        mask = _loss_mask(batch, n_inputs)
+        masked += (per_token.detach() if mask is None else per_token.detach() * mask).double().sum()
         for name, value in moe.aux_losses(setup.model).items():
             aux[name] = aux.get(name, 0.0) + value / n
     finalize_model_grads(setup.model, pg, ddp)
@@ -259,8 +276,8 @@ def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, 
 def _whole(weights: list, micro_batches: list) -> torch.Tensor:
     """The per-micro-batch weights of a pipeline step as one [n*b, s] tensor (a mean is mask-free
     weights of 1 / (tokens x n))."""
-    return torch.cat([w if w is not None else torch.full(b[1].shape, 1.0 / (b[1].numel() * len(micro_batches)),
-                                                         device=b[1].device)
+    return torch.cat([w if w is not None else torch.full(b[0].shape, 1.0 / (b[0].numel() * len(micro_batches)),
+                                                         device=b[0].device)
                       for w, b in zip(weights, micro_batches)])
 
 
@@ -283,14 +300,16 @@ def evaluate(setup: Setup, dataset, cfg: TrainConfig, pg: ProcessGroups) -> floa
     per-token losses over all of them, divided by their count."""
     setup.model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=setup.device)  # masked loss sum, loss tokens
+    n_inputs = len(setup.spec.inputs)
     try:
         for it in range(cfg.eval_iters):
             batches = [micro_batch(dataset, it * cfg.global_batch_size, m, cfg, pg, setup.device)
                        for m in range(cfg.num_micro_batches)]
             for b in batches:
-                total[1] += float(b[2].sum()) if len(b) > 2 else b[1].numel()
+                mask = _loss_mask(b, n_inputs)
+                total[1] += float(mask.sum()) if mask is not None else b[0].numel()
             if setup.pipeline is not None:
-                weights, _ = loss_weights(batches, pg, False, setup.device)
+                weights, _ = loss_weights(batches, pg, False, setup.device, n_inputs)
                 with _autocast(setup, cfg.bf16):
                     setup.pipeline.step(batches, train=False, weights=_whole(weights, batches))
                 total[0] += setup.pipeline.masked_sum.double().to(setup.device).reshape(())
@@ -298,7 +317,8 @@ def evaluate(setup: Setup, dataset, cfg: TrainConfig, pg: ProcessGroups) -> floa
             for b in batches:
                 with _autocast(setup, cfg.bf16):
                     per_token = setup.forward_step(setup.model, b)
-                total[0] += (per_token if len(b) < 3 else per_token * b[2]).double().sum()
+                mask = _loss_mask(b, n_inputs)
+                total[0] += (per_token if mask is None else per_token * mask).double().sum()
     finally:
         setup.model.train()
     if pg.dp.size > 1:
@@ -308,15 +328,36 @@ def evaluate(setup: Setup, dataset, cfg: TrainConfig, pg: ProcessGroups) -> floa
 
 def micro_batch(dataset, consumed: int, micro: int, cfg: TrainConfig, pg: ProcessGroups, device):
     """This DP rank's micro-batch, full [b, s]: TP and CP ranks of one DP rank read the same
-    samples (a CP model scatters them to the rank's load-balanced chunks itself). With
-    --eod-mask-loss a third tensor, the loss mask: 0 where the input token is the end-of-document
-    token, as Megatron's get_ltor_masks_and_position_ids."""
+    samples (a CP model scatters them to the rank's load-balanced chunks itself). The model's
+    inputs in the spec's order: (tokens, labels), with --reset-position-ids and
+    --reset-attention-mask the position and document ids between them (packed_documents); then,
+    with --eod-mask-loss, the loss mask: 0 where the input token is the end-of-document token.
+    All as Megatron's get_ltor_masks_and_position_ids."""
     tokens, labels = dataset.micro_batch(consumed, micro, cfg.micro_batch_size, pg.dp.rank, pg.dp.size)
-    out = (torch.from_numpy(tokens).to(device, non_blocking=True),
-           torch.from_numpy(labels).to(device, non_blocking=True))
-    if cfg.data.eod_mask_loss:
-        out += ((out[0] != cfg.data.eod).float(),)
+    tokens = torch.from_numpy(tokens).to(device, non_blocking=True)
+    labels = torch.from_numpy(labels).to(device, non_blocking=True)
+    data = cfg.data
+    out = (tokens,)
+    if data.reset_position_ids or data.reset_attention_mask:
+        positions, documents = packed_documents(tokens, data.eod)
+        out += ((positions,) if data.reset_position_ids else ()) + ((documents,) if data.reset_attention_mask else ())
+    out += (labels,)
+    if data.eod_mask_loss:
+        out += ((tokens != data.eod).float(),)
     return out
+
+
+def packed_documents(tokens: torch.Tensor, eod: int) -> tuple:
+    """(position ids, document ids) of packed samples [b, s], as Megatron's
+    get_ltor_masks_and_position_ids reads them: an end-of-document token ends its document (it
+    belongs to the document before it), the next token starts another at position 0. Document
+    ids count the end-of-document tokens before a token in its sample."""
+    ends = (tokens == eod).long()
+    documents = ends.cumsum(-1) - ends
+    index = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
+    starts = torch.zeros_like(index)
+    starts[:, 1:] = torch.where(ends[:, :-1].bool(), index[:, 1:], 0)  # a document starts after each end
+    return index - starts.cummax(-1).values, documents
 
 
 def max_memory_mb(device: torch.device) -> float:

@@ -300,16 +300,17 @@ class _Emitter:
                     f"for s in self.stages for i in s[\"layers\"]}})")
         out = names.bind(outs[0], g.call_names[child][0], index, last_use)
         lines = [] if out == arg_names[0] else [f"{out} = {arg_names[0]}"]
+        rest = "".join(f", {n}" for n in arg_names[1:])  # side inputs: model inputs, which every stage receives
         form = self.recompute.groups.get(child) if self.recompute is not None else None
         if form is None:
-            return lines + ['for i in PIPELINE_STAGES[stage]["layers"]:', f"    {out} = self.{attr}[str(i)]({out})"]
+            return lines + ['for i in PIPELINE_STAGES[stage]["layers"]:', f"    {out} = self.{attr}[str(i)]({out}{rest})"]
         if form[0] != "all":
             raise SpecError(g.spec.modules[g.spec.root].loc, f"--recompute-method {form[0]} with pipeline parallelism "
                             f"is not supported: its layer groups would straddle the stages",
                             "use --recompute-granularity full without --recompute-method uniform/block, or selective")
         return lines + ["# recompute (full): every layer keeps only its input; backward runs its forward again",
                         'for i in PIPELINE_STAGES[stage]["layers"]:',
-                        f"    {out} = runtime.recompute(self.{attr}[str(i)], {out}, rng_tracker=self.rng_tracker)"]
+                        f"    {out} = runtime.recompute(self.{attr}[str(i)], {out}{rest}, rng_tracker=self.rng_tracker)"]
 
     def _pipeline_root(self, mdef, items, names, init, body, starts, init_starts, partial_at, outs):
         """The root class at PP > 1 (Megatron's pre_process/post_process): a rank builds the parts

@@ -13,6 +13,7 @@ from .dataflow import check_identifier, parse_step
 from .expr import has_interpolation, interpolate, unknown_name
 from .megatron import check_megatron
 from .model import Leaf, ModelInput, ModuleDef, Ref, Settings, Spec
+from .packed import thread_packed_inputs
 from .yamlload import LDict, LList, LStr, load_yaml, read_text
 
 TOP_KEYS = {"name": "str", "description": "str", "extends": "str", "config": "mapping", "model": "mapping",
@@ -42,7 +43,8 @@ def load_spec(path: str, settings: Settings = Settings(), overrides: list = ()) 
         digest.update(text.encode())
     for key, value, _ in overrides:
         digest.update(f"\0{key}={value}".encode())
-    return _Builder(raw, path, settings, digest.hexdigest()).build()
+    # --reset-position-ids/--reset-attention-mask: the model takes position and document ids
+    return thread_packed_inputs(_Builder(raw, path, settings, digest.hexdigest()).build())
 
 
 # -- reading and extending -------------------------------------------------------------------

@@ -104,6 +104,7 @@ class CoreAttention(OpKind):
              doc="context parallelism: K/V around a ring of point-to-point sends, or all-gathered; auto: by the cost model"),
     )
     n_inputs = (3, 4)
+    packed_input = "document_ids"  # --reset-attention-mask: the 4th input
     nonlinear = True
     impls = ("native", "unfused", "flash", "te")
     selective_recompute = True  # its softmax, mask and dropout output are 5as^2b bytes a layer unfused
@@ -173,6 +174,12 @@ class CoreAttention(OpKind):
             asked.append("v_head_dim apart from head_dim")
         if impl in ("flash", "te") and asked:
             return f"is not wired for {', '.join(asked)} (the native path computes them)"
+        return ""
+
+    def inputs_unsupported(self, n_inputs, impl):
+        # runtime.CoreAttention hands flash-attn and TransformerEngine no mask of document ids
+        if impl in ("flash", "te") and n_inputs == 4:
+            return "takes no document ids (the 4th input: packed documents, a padding mask); the native path masks by them"
         return ""
 
     def instance_attrs(self, attrs, layer, fail):

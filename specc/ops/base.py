@@ -100,6 +100,9 @@ class OpKind:
     doc = ""
     attrs: tuple = ()
     n_inputs: tuple = (1, 1)  # min, max
+    # a model input of packed documents this op takes as its last input where the settings ask for it
+    # (frontend/packed.py): "position_ids" (--reset-position-ids) or "document_ids" (--reset-attention-mask)
+    packed_input: str | None = None
     n_outputs = 1
     impls = ("native",)
     nonlinear = False  # a partial sum must never reach it
@@ -208,6 +211,11 @@ class OpKind:
         """Why `impl` cannot compute this op with these attributes ("" when it can): resolve then
         refuses it where the spec pinned it, and falls back to native where it was only asked
         for (auto, --backend)."""
+        return ""
+
+    def inputs_unsupported(self, n_inputs: int, impl: str) -> str:
+        """Why `impl` cannot take this many inputs ("" when it can; an optional input such as
+        attention's document ids): resolve treats it as impl_unsupported."""
         return ""
 
     def choices(self, attrs: dict, settings, shapes=()) -> dict:

@@ -59,7 +59,10 @@ class Embedding(OpKind):
 
 class PositionEmbedding(OpKind):
     name = "position_embedding"
-    doc = "Learned absolute position embedding, replicated; takes token ids for their shape."
+    doc = ("Learned absolute position embedding, replicated; takes token ids for their shape, and optionally "
+           "position ids [b, s] (packed documents; default 0..s-1).")
+    n_inputs = (1, 2)
+    packed_input = "position_ids"
     attrs = (
         Attr("num_embeddings", "int", required=True, minimum=1, doc="rows of the table: the maximum sequence length "
              "plus offset"),
@@ -70,6 +73,8 @@ class PositionEmbedding(OpKind):
 
     def out_shapes(self, attrs, shapes, fail):
         out = _token_shape(self, attrs, shapes, fail)
+        if len(shapes) == 2 and tuple(shapes[1]) != tuple(shapes[0]):
+            fail(f"position ids must be shaped as the token ids, {list(shapes[0])}, got {list(shapes[1])}")
         if out[0][0] + attrs["offset"] > attrs["num_embeddings"]:
             fail(f"sequence length {out[0][0]}" + (f" from row {attrs['offset']}" if attrs["offset"] else "")
                  + f" exceeds num_embeddings={attrs['num_embeddings']}")
@@ -84,11 +89,12 @@ class PositionEmbedding(OpKind):
         return (HFKnob(key, lambda config, n: [config[key]] * n if key in config else None, lambda a: a["offset"]),)
 
     def rule_tp(self, attrs, ctx):
-        return LayoutRule(fixed_inputs=("I",), fixed_outputs=("I",))
+        return LayoutRule(fixed_inputs=("I", "I"), fixed_outputs=("I",))
 
     def rule_cp(self, attrs, ctx):
-        # on a CP shard of the tokens it looks up the positions of this rank's two chunks
-        return LayoutRule(allowed=("S(s)",))
+        # on a CP shard of the tokens it looks up the positions of this rank's two chunks; position
+        # ids (a 2nd input) are the whole sequence's (I), read at the rank's positions
+        return LayoutRule(allowed=("S(s)",), joined_inputs=(0,), fixed_inputs=(None, "I"))
 
     def out_seq_dims(self, attrs, in_seq_dims):
         return [0]
@@ -100,4 +106,4 @@ class PositionEmbedding(OpKind):
         return f"runtime.PositionEmbedding({a['num_embeddings']}, {a['embedding_dim']}, init_std={a['init_std']!r}{cp})"
 
     def call(self, node, args, ctx):
-        return f"self.{node.attr_name}({args[0]})"
+        return f"self.{node.attr_name}({', '.join(args)})"

@@ -82,7 +82,9 @@ _ORIGINAL = ("llama3", "yarn", "longrope")  # the rope types with a pre-training
 class Rotary(OpKind):
     name = "rotary"
     doc = ("Rotary position embedding over [s, b, heads*head_dim]: on the first rotary_dim features of each head, "
-           "rotate-half or interleaved pairs, with optional linear, Llama 3, YaRN or LongRoPE frequency scaling.")
+           "rotate-half or interleaved pairs, with optional linear, Llama 3, YaRN or LongRoPE frequency scaling. "
+           "An optional 2nd input, position ids [b, s], gives each token's position (packed documents); "
+           "default 0..s-1.")
     attrs = (
         Attr("head_dim", "int", required=True, minimum=2),
         Attr("base", "float", default=10000.0, minimum=1.0),
@@ -108,6 +110,8 @@ class Rotary(OpKind):
         Attr("long_factor", "float_list", doc="longrope: each frequency's divisor, longer sequences"),
     )
     nonlinear = True  # position-dependent: needs the whole sequence on each rank
+    n_inputs = (1, 2)
+    packed_input = "position_ids"
 
     def rotary_dim(self, attrs) -> int:
         return attrs.get("rotary_dim") or attrs["head_dim"]
@@ -130,6 +134,8 @@ class Rotary(OpKind):
     def out_shapes(self, attrs, shapes, fail):
         if shapes[0][-1] % attrs["head_dim"] or attrs["head_dim"] % 2:
             fail(f"last dim {shapes[0][-1]} is not a whole number of even heads of head_dim={attrs['head_dim']}")
+        if len(shapes) == 2 and tuple(shapes[1]) != (shapes[0][1], shapes[0][0]):
+            fail(f"position ids must be [batch, sequence] = {[shapes[0][1], shapes[0][0]]}, got {list(shapes[1])}")
         return [shapes[0]]
 
     def saved_bytes(self, node, local_in, local_out, elt):
@@ -164,11 +170,13 @@ class Rotary(OpKind):
         )
 
     def rule_tp(self, attrs, ctx):
-        return LayoutRule(allowed=("I", "R", "S(h)"))
+        # position ids (a 2nd input) are read whole on every rank
+        return LayoutRule(allowed=("I", "R", "S(h)"), joined_inputs=(0,), fixed_inputs=(None, "I"))
 
     def rule_cp(self, attrs, ctx):
-        # on a CP shard the rotary module takes the positions of this rank's two chunks
-        return LayoutRule(allowed=("S(s)",))
+        # on a CP shard the rotary module takes the positions of this rank's two chunks; position
+        # ids are the whole sequence's (I), looked up at the rank's positions
+        return LayoutRule(allowed=("S(s)",), joined_inputs=(0,), fixed_inputs=(None, "I"))
 
     def out_segments(self, attrs, in_segments):
         return in_segments[0] if in_segments else ()
@@ -195,4 +203,4 @@ class Rotary(OpKind):
         return f"runtime.RotaryEmbedding({a['head_dim']}, base={a['base']!r}{kw}{cp})"
 
     def call(self, node, args, ctx):
-        return f"self.{node.attr_name}({args[0]})"
+        return f"self.{node.attr_name}({', '.join(args)})"

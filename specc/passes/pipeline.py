@@ -105,9 +105,12 @@ def cut_pipeline(graph, settings) -> Pipeline | None:
     block = blocks[0]
     n = graph.repeats[block]
     args, outs = graph.calls[block]
-    if len(args) != 1 or len(outs) != 1:
+    side = [v for v in args[1:] if v not in graph.inputs]  # model inputs reach every stage as they are
+    if len(outs) != 1 or side:
         raise SpecError(root.loc, f"pipeline stages pass one value from layer to layer; the repeated block "
-                        f"{block} takes {len(args)} and returns {len(outs)}", "drop --pipeline-model-parallel-size")
+                        f"{block} takes {len(args)} and returns {len(outs)}"
+                        + (f", and {', '.join(graph.values[v].name for v in side)} besides the model's inputs"
+                           if side else ""), "drop --pipeline-model-parallel-size")
     pp, virtual = settings.pp, 1
     if settings.pp_virtual_stage_layers is not None:
         per = settings.pp_virtual_stage_layers

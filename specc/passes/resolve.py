@@ -41,7 +41,7 @@ def resolve(graph, settings, have=available, plan_only: bool = False) -> None:
                 raise SpecError(where, f"{op.id}: a layer with a tied weight cannot use impl 'te'",
                                 "use impl: native (or auto) on it")
             op.impl, op.impl_reason = "native", "tied weight: te.Linear cannot share the embedding's weight"
-        reason = kind.impl_unsupported(op.attrs, op.impl)
+        reason = kind.impl_unsupported(op.attrs, op.impl) or kind.inputs_unsupported(len(op.inputs), op.impl)
         if reason:
             if pinned:
                 raise SpecError(where, f"{op.id}: impl '{op.impl}' {reason}", "use impl: native (or auto) on it")

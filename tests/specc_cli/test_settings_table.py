@@ -26,7 +26,7 @@ SAMPLES = (
     Settings(tp=2, sp=True, cp=2, cp_comm_type="all_gather", recompute_granularity="full", recompute_method="block",
              recompute_num_layers=2, backend="native", micro_batch_size=3, dtype="fp16", fuse=False),
     Settings(tp=4, ep=2, etp=4, pp=4, pp_layout="Et*3|t*4|t*4|t*3L", recompute_granularity="selective"),
-    Settings(pp=2, pp_virtual_stage_layers=2),
+    Settings(pp=2, pp_virtual_stage_layers=2, reset_position_ids=True, reset_attention_mask=True),
     Settings(pp=3, pp_first_stage_layers=1, pp_last_stage_layers=2),
 )
 
