@@ -35,6 +35,8 @@ SETTINGS = {
     'micro_batch_size': 1,
     'dtype': 'bf16',
     'fuse': True,
+    'reset_position_ids': False,
+    'reset_attention_mask': False,
     'spec': 'specs/llama.yaml',
     'overrides': [],
 }
