@@ -20,7 +20,7 @@ from .model import Expr, Leaf, ModelInput, Ref, Spec
 
 FLAGS = {"position_ids": "--reset-position-ids", "document_ids": "--reset-attention-mask"}
 _SETTING = {"position_ids": "reset_position_ids", "document_ids": "reset_attention_mask"}
-_READERS = {"position_ids": "a rotary or position_embedding op", "document_ids": "a core_attention op"}
+_READERS = {"position_ids": "rotary or position_embedding op", "document_ids": "core_attention op"}
 
 
 def wanted(settings) -> list:

@@ -152,3 +152,17 @@ def test_packed_losses_are_the_same_at_tp_sp_cp_and_pp(gloo):
         want = model(tokens, *packed_documents(tokens, EOD), labels).detach()
         # fp32 sums split over ranks and blocks (CP's online softmax): a few ulps of the loss
         torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {settings}: {m}")
+
+
+def test_attention_kernels_without_a_document_mask_fall_back_and_a_spec_with_no_reader_is_refused():
+    from specc.compiler import load_and_compile
+    from specc.errors import SpecError
+    from specc.settings import Settings
+
+    # where TransformerEngine is installed `auto` picks it; with document ids attention runs native
+    _, graph = load_and_compile(SPECS["llama"], Settings(reset_attention_mask=True), have=lambda backend: True,
+                                plan_only=True)
+    attention = [op for op in graph.iter_ops() if op.kind == "core_attention"]
+    assert attention and all(op.impl == "native" and "document ids" in op.impl_reason for op in attention)
+    with pytest.raises(SpecError, match="no rotary or position_embedding op to take position_ids"):
+        load_and_compile(os.path.join(ROOT, "specs", "bloom-tiny.yaml"), Settings(reset_position_ids=True))
