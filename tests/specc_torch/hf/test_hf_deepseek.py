@@ -9,7 +9,8 @@ renormalized weights scaled by 2.5, a shared expert), one dense layer first.
   without SP, in one 4-rank gloo world (a call per TP size); the parity needs the expert bias,
   the group limit and the routed scaling (each left out is off by far more);
 - import then export gives back every tensor bit for bit, and the export loads in transformers;
-- routing, attention and rope knobs the spec does not model are refused in one line;
+- routing, attention and rope knobs the spec does not model are refused in one line, and so is a
+  checkpoint with a multi-token prediction layer (its tensors are not in the mapping);
 - the expert bias is a checkpoint tensor (defect 4 of issue 27: a buffer that DCP never saved);
 - `specc verify` at TP 2 x EP 2 with SP (TP 1, 2 x EP 1, 2 in one launch) and at PP 2 x TP 2 with
   SP; CP 2 is a located error (docs/families.md)."""
@@ -169,6 +170,33 @@ def test_import_export_round_trip_and_export_loads_in_transformers(tmp_path):
     back = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(back).__name__ == "DeepseekV3ForCausalLM"
     assert torch.equal(hf_logits(back)[0], hf_logits(model)[0])
+
+
+def test_a_checkpoint_with_multi_token_prediction_layers_is_refused(tmp_path, capfd):
+    """Multi-token prediction (Megatron's MTP, HF's num_nextn_predict_layers) is not modelled: the
+    released files' MTP layer after the model (model.layers.61.* for 61 layers: here 3) is refused
+    on import in one line naming a tensor of it, with nothing written and a non-zero exit (a
+    transformers model with the key but no such tensors, as save_pretrained writes it, is the
+    model without MTP and imports: the test above)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from specc_cli.main import main
+
+    hf_dir, out = tmp_path / "hf", tmp_path / "ckpt"
+    save_hf_model(str(hf_dir), seed=3)
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    mtp = {f"model.layers.3.{name}": torch.randn(shape) for name, shape in [
+        ("enorm.weight", (32,)), ("hnorm.weight", (32,)), ("eh_proj.weight", (32, 64)),
+        ("shared_head.norm.weight", (32,))]}
+    save_file({**tensors, **mtp}, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["hf", "import", str(hf_dir), "--spec", SPEC, "--out", str(out)]) != 0
+    err = capfd.readouterr().err.strip()
+    assert "\n" not in err and not out.exists(), err
+    assert "tensor model.layers.3.eh_proj.weight (and 3 more) is not in spec deepseek_v3_tiny's hf mapping" in err, err
 
 
 @pytest.mark.parametrize("change,message", [
