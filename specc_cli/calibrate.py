@@ -7,8 +7,8 @@ the data-parallel group's transport picked by runtime.ProcessGroups: shared memo
 has a core per rank), each with the threads a training rank gets (cores / N), and measure at the
 same time, so ranks sharing cores measure the share they get:
 
-* GEMM time of square matrix multiplies by size, per dtype: fitted by least squares to the time
-  model's t = (F + F_half) / R, so R is the dtype's peak (efficiency 1) and F_half the fixed cost
+* GEMM time of square matrix multiplies by size, per dtype: fitted (Theil-Sen, as every fit here)
+  to the time model's t = (F + F_half) / R, so R is the dtype's peak (efficiency 1) and F_half the fixed cost
   of a kernel in FLOPs (from fp32);
 * memory-bound kernels: the kinds a transformer layer runs besides its GEMMs (an add, a GELU, a
   dropout, a softmax and a layer norm) over activation-sized tensors, bytes read and written
@@ -77,11 +77,13 @@ def _timed(fn, repeats: int) -> float:
 
 
 def _fit(xs: list, ys: list) -> tuple:
-    """Least squares y = a + b x: (a, b)."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
+    """y = a + b x, (a, b), by Theil and Sen: b the median of the slopes between every two points,
+    a the median of y - b x. A point the scheduler slowed (one GEMM size interrupted on a shared
+    host) moves it little; least squares would follow the largest point, slowed or not."""
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
+              if xs[j] != xs[i]]
+    b = statistics.median(slopes)
+    return statistics.median(y - b * x for x, y in zip(xs, ys)), b
 
 
 def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
