@@ -77,9 +77,6 @@ MEGATRON_FLAG_FATES = (
     ("--fp8-amax-history-len", 1, "refused", _FP8),
     ("--fp8-amax-compute-algo", 1, "refused", _FP8),
     ("--fp8-param-gather", 0, "refused", _FP8),
-    ("--ckpt-format", 1, "refused", "a run saves specc's own layout, which resumes with its optimizer state "
-     "(docs/checkpoints.md); `specc megatron export` converts a checkpoint to torch_dist for Megatron, and --load "
-     "--finetune reads Megatron's torch_dist and legacy torch checkpoints (weights only)"),
 )
 
 LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
@@ -237,6 +234,9 @@ def add_train_arguments(p: argparse.ArgumentParser, launcher: bool) -> None:
     g.add_argument("--no-load-rng", action="store_true",
                    help="Megatron's: accepted where nothing is loaded (no --load, or a --save X --load X that holds "
                    "no checkpoint yet); a checkpoint loaded restores its RNG states, so with one it is refused")
+    g.add_argument("--ckpt-format", default=None, metavar="FORMAT",
+                   help="Megatron's: torch_dist also writes each save as Megatron Core's torch_dist iter_N/ (weights "
+                   "only) in --save, beside specc's own checkpoint, which a --load of DIR resumes")
     g.add_argument("--finetune", action="store_true",
                    help="--load the weights only: iteration 0, a fresh optimizer, the data from its start")
     g.add_argument("--allow-spec-change", action="store_true",

@@ -43,8 +43,13 @@ from runtime.train.config import (
 from specc.settings import Settings
 
 from .api import compile_source
-from .megatron_ckpt.files import is_megatron_dir
-from .megatron_ckpt.train import megatron_import, megatron_load_rules
+from .megatron_ckpt.train import (
+    ckpt_format_rules,
+    is_foreign_megatron_dir,
+    megatron_import,
+    megatron_load_rules,
+    megatron_save,
+)
 from .torchrun import report_error
 
 
@@ -144,11 +149,12 @@ def check(cfg: TrainConfig, world_size: int):
         pass  # --save X --load X with nothing saved in X yet: the first launch starts afresh, as in Megatron
     elif cfg.checkpoint.load is not None and not os.path.isdir(cfg.checkpoint.load):
         errors.append(f"--load {cfg.checkpoint.load}: no such directory")
-    elif cfg.checkpoint.load is not None and is_megatron_dir(cfg.checkpoint.load):
+    elif cfg.checkpoint.load is not None and is_foreign_megatron_dir(cfg.checkpoint.load):
         errors += megatron_load_rules(cfg)
     elif cfg.checkpoint.load is not None:
         errors += _checkpoint_rules(cfg.checkpoint.load)
     errors += _no_load_rng_rules(cfg)
+    errors += ckpt_format_rules(cfg)
     errors += output_rules(cfg)
     if cfg.device == "cuda":
         import torch
@@ -715,7 +721,7 @@ def run(cfg: TrainConfig, stream=None) -> int:
     try:
         if own and latest_step(cfg.checkpoint.save) is not None:
             load = cfg.checkpoint.save
-        elif load and is_megatron_dir(load):  # weights only (--finetune, megatron_load_rules)
+        elif load and is_foreign_megatron_dir(load):  # weights only (--finetune, megatron_load_rules)
             load = megatron_import(cfg, local_rank, world)
         if load:
             info = read_info(checkpoint_path(load))
@@ -842,6 +848,9 @@ def run(cfg: TrainConfig, stream=None) -> int:
                                    rng_tracker=setup.rng_tracker, config=cfg.to_dict(),
                                    keep_last=cfg.checkpoint.keep_last)
             reporter.info(f"saved checkpoint {path}")
+            if cfg.checkpoint.ckpt_format:  # Megatron's too, beside it (specc_torch/megatron_ckpt/train.py)
+                reporter.info(f"saved Megatron's {cfg.checkpoint.ckpt_format} checkpoint "
+                              f"{megatron_save(cfg, st.iteration, rank, world)}")
 
         try:  # a save that fails (a full disk) is one line on every rank, and the run stops
             losses = train(setup, datasets, cfg, pg, reporter, state, save_fn=save if cfg.checkpoint.save else None,

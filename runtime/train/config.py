@@ -111,6 +111,9 @@ class CheckpointConfig:
     no_load_optim: bool = False  # --load the weights, iteration and data position, not the optimizer state
     finetune: bool = False  # --load the weights only: iteration 0, a fresh optimizer, the data from the start
     no_load_rng: bool = False  # Megatron's --no-load-rng: refused when a checkpoint is loaded (RNG states restored)
+    # Megatron's --ckpt-format: "torch_dist" also writes each save as Megatron Core's torch_dist
+    # iter_N/ in `save` (beside specc's step_N/, which resumes); None: specc's only
+    ckpt_format: str | None = None
 
 
 @dataclass

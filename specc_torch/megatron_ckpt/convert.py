@@ -227,11 +227,11 @@ def megatron_tensors(full: dict, spec_path: str, spec, params: dict) -> tuple[di
     return tensors, modules
 
 
-def export_megatron(ckpt: str, spec_path: str, out: str, overrides: dict | None = None, step: int | None = None,
-                    allow_spec_change: bool = False) -> dict:
-    """A specc checkpoint (any layout saved it) as a new Megatron Core torch_dist save directory
-    OUT: iter_N/ (N its step) and latest_checkpointed_iteration.txt; weights only."""
-    _fresh_output(out)
+def megatron_export_tensors(ckpt: str, spec_path: str, overrides: dict | None = None, step: int | None = None,
+                            allow_spec_change: bool = False) -> dict:
+    """What an export writes, read from a specc checkpoint: {"tensors" (Megatron's names),
+    "modules" (with an _extra_state), "step", "spec"}. Under torch.distributed every rank calls it
+    (the checkpoint's DCP read is collective), and every rank gets the full tensors."""
     spec, identity, params = model_params(spec_path, overrides)
     bind(mapping_of(spec_path, spec)[0], params, spec.name, Loc(spec_path))  # a spec without one: said first
     path = resolve(ckpt, step)
@@ -239,12 +239,22 @@ def export_megatron(ckpt: str, spec_path: str, out: str, overrides: dict | None 
     check_spec(path, info["spec"], identity, allow_spec_change)
     check_params(path, info["params"], {n: {"shape": list(m.full_shape)} for n, m in params.items()})
     tensors, modules = megatron_tensors(read_tensors(path, list(params)), spec_path, spec, params)
+    return {"tensors": tensors, "modules": modules, "step": info["step"], "spec": identity["name"]}
+
+
+def export_megatron(ckpt: str, spec_path: str, out: str, overrides: dict | None = None, step: int | None = None,
+                    allow_spec_change: bool = False) -> dict:
+    """A specc checkpoint (any layout saved it) as a new Megatron Core torch_dist save directory
+    OUT: iter_N/ (N its step) and latest_checkpointed_iteration.txt; weights only."""
+    _fresh_output(out)
+    got = megatron_export_tensors(ckpt, spec_path, overrides, step, allow_spec_change)
+    tensors = got["tensors"]
     created = not os.path.lexists(out)
     try:
-        written = write_dist(out, info["step"], tensors, modules)
+        written = write_dist(out, got["step"], tensors, got["modules"])
     except BaseException:
         if created:  # nothing half-written is left: the folder goes too
             shutil.rmtree(out, ignore_errors=True)
         raise
-    return {"path": written, "step": info["step"], "tensors": len(tensors),
-            "parameters": sum(t.numel() for t in tensors.values()), "spec": identity["name"]}
+    return {"path": written, "step": got["step"], "tensors": len(tensors),
+            "parameters": sum(t.numel() for t in tensors.values()), "spec": got["spec"]}

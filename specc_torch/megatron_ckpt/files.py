@@ -290,7 +290,13 @@ def write_dist(save_dir: str, iteration: int, tensors: dict, extra_state: list) 
                      planner=DefaultSavePlanner(flatten_state_dict=False))
         with open(os.path.join(tmp, "metadata.json"), "w", encoding="utf-8") as f:
             json.dump(METADATA_JSON, f)
+        old = None
+        if os.path.lexists(os.path.join(save_dir, name)):  # the same iteration saved again: the new one wins
+            old = os.path.join(save_dir, f".{name}.old-{secrets.token_hex(4)}")
+            os.rename(os.path.join(save_dir, name), old)
         os.rename(tmp, os.path.join(save_dir, name))
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

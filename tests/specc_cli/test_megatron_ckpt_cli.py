@@ -85,3 +85,47 @@ def test_a_malformed_checkpoint_block_is_a_located_error(specc, tmp_path):
     spec.write_text(f"extends: {SPEC}\nmegatron:\n  checkpoint:\n    params:\n      - {{specc: embedding.weight}}\n")
     code, stdout, stderr = specc("validate", spec)
     assert code == 2 and stderr.startswith(f"{spec}:5:9: error: 'megatron' must be a parameter name"), stderr
+
+
+def test_train_saves_megatrons_torch_dist_beside_its_own(specc, tmp_path):
+    """`specc train --save S --ckpt-format torch_dist`: each save is specc's step_N/ (which a --load S
+    resumes, optimizer state and all) and Megatron's iter_N/ with its tracker, holding the same
+    weights bit for bit; --keep-last prunes both. Megatron's dist_checkpointing.load of such a
+    directory gives specc's loss (make_fixture.py --check-train; Megatron is not a test dependency)."""
+    import torch
+
+    from runtime.checkpoint import read_tensors
+    from specc_torch.megatron_ckpt import read_weights
+
+    save = tmp_path / "save"
+    run = ["train", SPEC, *SIZES, "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "2",
+           "--eval-iters", "0", "--no-progress", "--save", save, "--save-interval", "1", "--keep-last", "1",
+           "--ckpt-format", "torch_dist", "--run-dir", tmp_path / "run"]
+    code, stdout, stderr = specc(*run, "--train-iters", "2")
+    assert code == 0, stderr
+    assert f"saved Megatron's torch_dist checkpoint {save}/iter_0000002" in stdout + stderr
+    assert sorted(os.listdir(save)) == ["iter_0000002", "latest", "latest_checkpointed_iteration.txt", "run.lock",
+                                        "step_0000002"]
+    with open(save / "latest_checkpointed_iteration.txt") as f:
+        assert f.read() == "2"
+    ours, megatron = read_tensors(str(save)), read_weights(str(save), SPEC, CONFIG)
+    assert megatron["iteration"] == 2 and megatron["format"] == "torch_dist"
+    assert ours.keys() == megatron["tensors"].keys()
+    assert all(torch.equal(ours[n], megatron["tensors"][n]) for n in ours)
+    # --load of that directory resumes specc's own checkpoint (not a weights-only Megatron load)
+    code, stdout, stderr = specc(*run, "--train-iters", "3", "--load", save)
+    assert code == 0, stderr
+    assert f"loaded checkpoint {save}/step_0000002 at iteration 2" in stdout + stderr
+    assert sorted(os.listdir(save))[:2] == ["iter_0000003", "latest"]
+
+    def error(*argv) -> str:
+        code, stdout, stderr = specc("train", SPEC, *SIZES, "--mock-data", "--train-iters", "1", *argv)
+        assert code == 2 and stderr.count("\n") == 1, (code, stderr)
+        return stderr.strip()
+
+    assert error("--ckpt-format", "torch", "--save", tmp_path / "other") == (
+        "error: --ckpt-format torch: only torch_dist (Megatron Core's default) is written, beside specc's own "
+        "checkpoints; --load reads Megatron's torch_dist and legacy torch checkpoints whatever this says")
+    assert error("--ckpt-format", "torch_dist") == (
+        "error: --ckpt-format torch_dist: says what --save writes, and there is no --save DIR")
+    assert not (tmp_path / "other").exists()

@@ -258,3 +258,33 @@ def test_expert_parallel_legacy_files_are_refused_in_one_line(tmp_path):
     torch.save({"model": {}}, rank / "model_optim_rng.pt")
     line = _error(str(tmp_path / "iter_0000001"), *LAYOUTS["mixtral"])
     assert line == f"{tmp_path / 'iter_0000001'}: expert-parallel legacy checkpoints (mp_rank_TT_PPP_EEE) are not read"
+
+
+def _save_and_convert(rank, world, save_dir):
+    from types import SimpleNamespace
+
+    from runtime.checkpoint import save_checkpoint
+    from specc_torch.megatron_ckpt.train import megatron_save
+
+    pg = runtime.ProcessGroups.initialize(tp=world)
+    try:
+        model = specc_torch.build_model(SPEC, pg, seed=3, sp=True, overrides=SIZES, micro_batch_size=1)
+        save_checkpoint(save_dir, 5, model, pg)
+        cfg = SimpleNamespace(spec=SPEC, overrides=SIZES, data=SimpleNamespace(padded_vocab_size=None),
+                              checkpoint=SimpleNamespace(save=save_dir, keep_last=None))
+        return megatron_save(cfg, 5, rank, world)
+    finally:
+        pg.destroy()
+
+
+def test_a_run_at_tp2_saves_megatrons_checkpoint_beside_its_own(gloo, tmp_path):
+    """--ckpt-format torch_dist's save at TP=2 (the checkpoint's read is collective: every rank
+    takes part, rank 0 writes): Megatron's iter_0000005/ beside specc's step_0000005/, the same
+    weights bit for bit."""
+    from runtime.checkpoint import read_tensors
+
+    save = str(tmp_path / "save")
+    assert gloo.run(2, _save_and_convert, save) == [os.path.join(save, "iter_0000005")] * 2
+    ours, megatron = read_tensors(save), read_weights(save, SPEC, SIZES)
+    assert megatron["iteration"] == 5 and ours.keys() == megatron["tensors"].keys()
+    assert all(torch.equal(ours[n], megatron["tensors"][n]) for n in ours)
