@@ -9,6 +9,8 @@ sequence (dim 0); S(h) sharded over features or heads (last dim); P partial sums
 Every collective is a visible `mappings.*` call, or a comment at a layer that performs it itself.
 """
 
+import math
+
 from torch import nn
 
 import runtime
@@ -41,6 +43,12 @@ SETTINGS = {
 }
 COMPILE_COMMAND = "specc compile specs/gpt.yaml"
 
+# the spec's config values that the expressions below name
+CONFIG = {
+    'num_layers': 12,
+    'init_std': 0.02,
+}
+
 
 class SelfAttention(nn.Module):
     """Causal multi-head self-attention with a packed QKV projection."""
@@ -48,9 +56,9 @@ class SelfAttention(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_qkv = runtime.ColumnParallelLinear(768, 2304, bias=True, segments=[768, 768, 768], tp=self.tp, init_std=0.02)
+        self.linear_qkv = runtime.ColumnParallelLinear(768, 2304, bias=True, segments=[768, 768, 768], tp=self.tp, init_std=CONFIG["init_std"])
         self.core_attention = runtime.CoreAttention(12, 12, 64, causal=True, dropout=0.0, backend="sdpa", rng_tracker=rng_tracker)
-        self.linear_proj = runtime.RowParallelLinear(768, 768, bias=True, tp=self.tp, init_std=0.004082482904638631)
+        self.linear_proj = runtime.RowParallelLinear(768, 768, bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
 
     def forward(self, x):
         qkv = self.linear_qkv(x)
@@ -67,8 +75,8 @@ class MLP(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_fc1 = runtime.ColumnParallelLinear(768, 3072, bias=True, tp=self.tp, init_std=0.02)
-        self.linear_fc2 = runtime.RowParallelLinear(3072, 768, bias=True, tp=self.tp, init_std=0.004082482904638631)
+        self.linear_fc1 = runtime.ColumnParallelLinear(768, 3072, bias=True, tp=self.tp, init_std=CONFIG["init_std"])
+        self.linear_fc2 = runtime.RowParallelLinear(3072, 768, bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
 
     def forward(self, x):
         h = self.linear_fc1(x)
@@ -109,8 +117,8 @@ class GPTModel(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.embedding = runtime.VocabParallelEmbedding(50304, 768, tp=self.tp, init_std=0.02)
-        self.position_embedding = runtime.PositionEmbedding(1024, 768, init_std=0.02)
+        self.embedding = runtime.VocabParallelEmbedding(50304, 768, tp=self.tp, init_std=CONFIG["init_std"])
+        self.position_embedding = runtime.PositionEmbedding(1024, 768, init_std=CONFIG["init_std"])
         self.embedding_dropout = runtime.Dropout(0.0, rng_tracker=rng_tracker, stream="default")
         self.layers = nn.ModuleList([TransformerLayer(pg, rng_tracker) for _ in range(12)])
         self.final_layernorm = runtime.LayerNorm(768, eps=1e-05)

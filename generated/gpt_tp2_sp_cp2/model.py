@@ -9,6 +9,8 @@ sequence (dim 0); S(h) sharded over features or heads (last dim); P partial sums
 Every collective is a visible `mappings.*` call, or a comment at a layer that performs it itself.
 """
 
+import math
+
 from torch import nn
 
 import runtime
@@ -42,6 +44,12 @@ SETTINGS = {
 }
 COMPILE_COMMAND = "specc compile specs/gpt.yaml --tp 2 --sp --cp 2"
 
+# the spec's config values that the expressions below name
+CONFIG = {
+    'num_layers': 12,
+    'init_std': 0.02,
+}
+
 
 class SelfAttention(nn.Module):
     """Causal multi-head self-attention with a packed QKV projection."""
@@ -50,20 +58,23 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.tp = pg.tp
         self.cp = pg.cp
-        self.linear_qkv = runtime.ColumnParallelLinear(768, 2304, bias=True, segments=[768, 768, 768], input_mode="gather", tp=self.tp, init_std=0.02)
+        self.linear_qkv = runtime.ColumnParallelLinear(768, 2304, bias=True, segments=[768, 768, 768], input_mode="gather", tp=self.tp, init_std=CONFIG["init_std"])
         self.core_attention = runtime.CoreAttention(6, 6, 64, causal=True, dropout=0.0, backend="sdpa", rng_tracker=rng_tracker, cp=self.cp, cp_comm_type="p2p")
-        self.linear_proj = runtime.RowParallelLinear(768, 768, bias=True, tp=self.tp, init_std=0.004082482904638631)
+        self.linear_proj = runtime.RowParallelLinear(768, 768, bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
         runtime.mark_partial_grad(self.linear_qkv.weight, "cp")  # used on tp:S(s)/cp:S(s) values
         runtime.mark_partial_grad(self.linear_qkv.bias, "cp")  # used on tp:S(s)/cp:S(s) values
         runtime.mark_partial_grad(self.linear_proj.weight, "cp")  # used on tp:S(h)/cp:S(s) values
-        runtime.mark_partial_grad(self.linear_proj.bias, "cp")  # used on tp:S(h)/cp:S(s) values
-        runtime.mark_partial_grad(self.linear_proj.bias, "tp", "cp")  # used on tp:S(s)/cp:S(s) values
+        # used on tp:S(h)/cp:S(s) and tp:S(s)/cp:S(s) values
+        runtime.mark_partial_grad(self.linear_proj.bias, "tp", "cp")
 
     def forward(self, x):
-        # linear_qkv all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)
+        # linear_qkv all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter
+        # of the input gradient overlapped with the weight gradient)
         qkv = self.linear_qkv(x)  # tp:S(s)/cp:S(s) -> tp:S(h)/cp:S(s)
-        q, k, v = runtime.split(qkv, [384, 384, 384])  # tp:S(h)/cp:S(s) -> tp:S(h)/cp:S(s),tp:S(h)/cp:S(s),tp:S(h)/cp:S(s)
-        # attention over the whole sequence: K/V passed around the CP ring inside (p2p: ring attention overlaps the K/V exchange with the block computations)
+        # tp:S(h)/cp:S(s) -> tp:S(h)/cp:S(s),tp:S(h)/cp:S(s),tp:S(h)/cp:S(s)
+        q, k, v = runtime.split(qkv, [384, 384, 384])
+        # attention over the whole sequence: K/V passed around the CP ring inside (p2p: ring attention overlaps the K/V
+        # exchange with the block computations)
         context = self.core_attention(q, k, v)  # tp:S(h)/cp:S(s),tp:S(h)/cp:S(s),tp:S(h)/cp:S(s) -> tp:S(h)/cp:S(s)
         out = self.linear_proj(context)  # tp:S(h)/cp:S(s) -> tp:P/cp:S(s)
         # P -> S(s): forward reduce-scatter, backward all-gather
@@ -78,16 +89,17 @@ class MLP(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_fc1 = runtime.ColumnParallelLinear(768, 3072, bias=True, input_mode="gather", tp=self.tp, init_std=0.02)
-        self.linear_fc2 = runtime.RowParallelLinear(3072, 768, bias=True, tp=self.tp, init_std=0.004082482904638631)
+        self.linear_fc1 = runtime.ColumnParallelLinear(768, 3072, bias=True, input_mode="gather", tp=self.tp, init_std=CONFIG["init_std"])
+        self.linear_fc2 = runtime.RowParallelLinear(3072, 768, bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
         runtime.mark_partial_grad(self.linear_fc1.weight, "cp")  # used on tp:S(s)/cp:S(s) values
         runtime.mark_partial_grad(self.linear_fc1.bias, "cp")  # used on tp:S(s)/cp:S(s) values
         runtime.mark_partial_grad(self.linear_fc2.weight, "cp")  # used on tp:S(h)/cp:S(s) values
-        runtime.mark_partial_grad(self.linear_fc2.bias, "cp")  # used on tp:S(h)/cp:S(s) values
-        runtime.mark_partial_grad(self.linear_fc2.bias, "tp", "cp")  # used on tp:S(s)/cp:S(s) values
+        # used on tp:S(h)/cp:S(s) and tp:S(s)/cp:S(s) values
+        runtime.mark_partial_grad(self.linear_fc2.bias, "tp", "cp")
 
     def forward(self, x):
-        # linear_fc1 all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)
+        # linear_fc1 all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter
+        # of the input gradient overlapped with the weight gradient)
         h = self.linear_fc1(x)  # tp:S(s)/cp:S(s) -> tp:S(h)/cp:S(s)
         h = runtime.gelu(h, approximate="tanh")  # tp:S(h)/cp:S(s) -> tp:S(h)/cp:S(s)
         out = self.linear_fc2(h)  # tp:S(h)/cp:S(s) -> tp:P/cp:S(s)
@@ -135,8 +147,8 @@ class GPTModel(nn.Module):
         super().__init__()
         self.tp = pg.tp
         self.cp = pg.cp
-        self.embedding = runtime.VocabParallelEmbedding(50304, 768, tp=self.tp, init_std=0.02)
-        self.position_embedding = runtime.PositionEmbedding(1024, 768, init_std=0.02, cp=self.cp)
+        self.embedding = runtime.VocabParallelEmbedding(50304, 768, tp=self.tp, init_std=CONFIG["init_std"])
+        self.position_embedding = runtime.PositionEmbedding(1024, 768, init_std=CONFIG["init_std"], cp=self.cp)
         self.embedding_dropout = runtime.Dropout(0.0, rng_tracker=rng_tracker, stream="tensor-parallel", layout="S(s)", tp=self.tp, cp=self.cp)
         self.layers = nn.ModuleList([TransformerLayer(pg, rng_tracker) for _ in range(12)])
         self.final_layernorm = runtime.LayerNorm(768, eps=1e-05)
@@ -160,12 +172,14 @@ class GPTModel(nn.Module):
         for layer in self.layers:
             h = layer(h)
         h = self.final_layernorm(h)  # tp:S(s)/cp:S(s) -> tp:S(s)/cp:S(s)
-        # output_layer all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)
+        # output_layer all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter
+        # of the input gradient overlapped with the weight gradient)
         logits = self.output_layer(h)  # tp:S(s)/cp:S(s) -> tp:S(h)/cp:S(s)
         # cp:I -> cp:S(s): forward split (local), backward all-gather
         labels_cp_seq = mappings.scatter_to_context_parallel_region(labels, self.cp, dim=1)
         # vocab-parallel cross-entropy on sharded logits: two all-reduces of per-token fp32 values inside
-        per_token_loss = runtime.vocab_parallel_cross_entropy(logits, labels_cp_seq, self.tp)  # tp:S(h)/cp:S(s),tp:I/cp:S(s) -> tp:I/cp:S(s)
+        # tp:S(h)/cp:S(s),tp:I/cp:S(s) -> tp:I/cp:S(s)
+        per_token_loss = runtime.vocab_parallel_cross_entropy(logits, labels_cp_seq, self.tp)
         # cp:S(s) -> cp:I: forward all-gather, backward split (local)
         per_token_loss_cp_full = mappings.gather_from_context_parallel_region(per_token_loss, self.cp, dim=1)
         return per_token_loss_cp_full

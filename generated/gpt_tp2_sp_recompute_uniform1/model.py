@@ -9,6 +9,8 @@ sequence (dim 0); S(h) sharded over features or heads (last dim); P partial sums
 Every collective is a visible `mappings.*` call, or a comment at a layer that performs it itself.
 """
 
+import math
+
 from torch import nn
 
 import runtime
@@ -42,6 +44,12 @@ SETTINGS = {
 }
 COMPILE_COMMAND = "specc compile specs/gpt.yaml --tp 2 --sp --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
+# the spec's config values that the expressions below name
+CONFIG = {
+    'num_layers': 12,
+    'init_std': 0.02,
+}
+
 
 class SelfAttention(nn.Module):
     """Causal multi-head self-attention with a packed QKV projection."""
@@ -49,13 +57,14 @@ class SelfAttention(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_qkv = runtime.ColumnParallelLinear(768, 2304, bias=True, segments=[768, 768, 768], input_mode="gather", tp=self.tp, init_std=0.02)
+        self.linear_qkv = runtime.ColumnParallelLinear(768, 2304, bias=True, segments=[768, 768, 768], input_mode="gather", tp=self.tp, init_std=CONFIG["init_std"])
         self.core_attention = runtime.CoreAttention(6, 6, 64, causal=True, dropout=0.0, backend="sdpa", rng_tracker=rng_tracker)
-        self.linear_proj = runtime.RowParallelLinear(768, 768, bias=True, tp=self.tp, init_std=0.004082482904638631)
+        self.linear_proj = runtime.RowParallelLinear(768, 768, bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
         runtime.mark_tp_partial_grad(self.linear_proj.bias)  # used on S(s) values
 
     def forward(self, x):
-        # linear_qkv all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)
+        # linear_qkv all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter
+        # of the input gradient overlapped with the weight gradient)
         qkv = self.linear_qkv(x)  # S(s) -> S(h)
         q, k, v = runtime.split(qkv, [384, 384, 384])  # S(h) -> S(h),S(h),S(h)
         context = self.core_attention(q, k, v)  # S(h),S(h),S(h) -> S(h)
@@ -72,12 +81,13 @@ class MLP(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_fc1 = runtime.ColumnParallelLinear(768, 3072, bias=True, input_mode="gather", tp=self.tp, init_std=0.02)
-        self.linear_fc2 = runtime.RowParallelLinear(3072, 768, bias=True, tp=self.tp, init_std=0.004082482904638631)
+        self.linear_fc1 = runtime.ColumnParallelLinear(768, 3072, bias=True, input_mode="gather", tp=self.tp, init_std=CONFIG["init_std"])
+        self.linear_fc2 = runtime.RowParallelLinear(3072, 768, bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
         runtime.mark_tp_partial_grad(self.linear_fc2.bias)  # used on S(s) values
 
     def forward(self, x):
-        # linear_fc1 all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)
+        # linear_fc1 all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter
+        # of the input gradient overlapped with the weight gradient)
         h = self.linear_fc1(x)  # S(s) -> S(h)
         h = runtime.gelu(h, approximate="tanh")  # S(h) -> S(h)
         out = self.linear_fc2(h)  # S(h) -> P
@@ -124,8 +134,8 @@ class GPTModel(nn.Module):
         super().__init__()
         self.rng_tracker = rng_tracker
         self.tp = pg.tp
-        self.embedding = runtime.VocabParallelEmbedding(50304, 768, tp=self.tp, init_std=0.02)
-        self.position_embedding = runtime.PositionEmbedding(1024, 768, init_std=0.02)
+        self.embedding = runtime.VocabParallelEmbedding(50304, 768, tp=self.tp, init_std=CONFIG["init_std"])
+        self.position_embedding = runtime.PositionEmbedding(1024, 768, init_std=CONFIG["init_std"])
         self.embedding_dropout = runtime.Dropout(0.0, rng_tracker=rng_tracker, stream="tensor-parallel", layout="S(s)", tp=self.tp)
         self.layers = nn.ModuleList([TransformerLayer(pg, rng_tracker) for _ in range(12)])
         self.final_layernorm = runtime.LayerNorm(768, eps=1e-05)
@@ -142,11 +152,13 @@ class GPTModel(nn.Module):
         position_embedding_out_seq = mappings.scatter_to_sequence_parallel_region(position_embedding_out, self.tp)
         h = embedding_out_seq + position_embedding_out_seq  # S(s),S(s) -> S(s)
         h = self.embedding_dropout(h)  # S(s) -> S(s)
-        # recompute (full): every layer keeps only its input; backward runs its forward again (--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
+        # recompute (full): every layer keeps only its input; backward runs its forward again (--recompute-granularity
+        # full --recompute-method uniform --recompute-num-layers 1)
         for layer in self.layers:
             h = runtime.recompute(layer, h, rng_tracker=self.rng_tracker)
         h = self.final_layernorm(h)  # S(s) -> S(s)
-        # output_layer all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)
+        # output_layer all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter
+        # of the input gradient overlapped with the weight gradient)
         logits = self.output_layer(h)  # S(s) -> S(h)
         # vocab-parallel cross-entropy on sharded logits: two all-reduces of per-token fp32 values inside
         per_token_loss = runtime.vocab_parallel_cross_entropy(logits, labels, self.tp)  # S(h),I -> I

@@ -41,6 +41,11 @@ SETTINGS = {
 }
 COMPILE_COMMAND = "specc compile specs/llama.yaml"
 
+# the spec's config values that the expressions below name
+CONFIG = {
+    'init_std': 0.02,
+}
+
 
 class SelfAttention(nn.Module):
     """Causal grouped-query attention with rotary position embeddings."""
@@ -48,10 +53,10 @@ class SelfAttention(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_qkv = runtime.ColumnParallelLinear(4096, 6144, bias=False, segments=[4096, 1024, 1024], heads=[32, 8, 8], tp=self.tp, init_std=0.02)
+        self.linear_qkv = runtime.ColumnParallelLinear(4096, 6144, bias=False, segments=[4096, 1024, 1024], heads=[32, 8, 8], tp=self.tp, init_std=CONFIG["init_std"])
         self.rotary = runtime.RotaryEmbedding(128, base=10000.0)
         self.core_attention = runtime.CoreAttention(32, 8, 128, causal=True, dropout=0.0, backend="sdpa", rng_tracker=rng_tracker)
-        self.linear_proj = runtime.RowParallelLinear(4096, 4096, bias=False, tp=self.tp, init_std=0.02)
+        self.linear_proj = runtime.RowParallelLinear(4096, 4096, bias=False, tp=self.tp, init_std=CONFIG["init_std"])
 
     def forward(self, x):
         qkv = self.linear_qkv(x)
@@ -69,8 +74,8 @@ class MLP(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_fc1 = runtime.ColumnParallelLinear(4096, 22016, bias=False, segments=[11008, 11008], tp=self.tp, init_std=0.02)
-        self.linear_fc2 = runtime.RowParallelLinear(11008, 4096, bias=False, tp=self.tp, init_std=0.02)
+        self.linear_fc1 = runtime.ColumnParallelLinear(4096, 22016, bias=False, segments=[11008, 11008], tp=self.tp, init_std=CONFIG["init_std"])
+        self.linear_fc2 = runtime.RowParallelLinear(11008, 4096, bias=False, tp=self.tp, init_std=CONFIG["init_std"])
 
     def forward(self, x):
         h = self.linear_fc1(x)
@@ -106,10 +111,10 @@ class LlamaModel(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.embedding = runtime.VocabParallelEmbedding(32000, 4096, tp=self.tp, init_std=0.02)
+        self.embedding = runtime.VocabParallelEmbedding(32000, 4096, tp=self.tp, init_std=CONFIG["init_std"])
         self.layers = nn.ModuleList([TransformerLayer(pg, rng_tracker) for _ in range(32)])
         self.final_norm = runtime.RMSNorm(4096, eps=1e-05)
-        self.output_layer = runtime.ColumnParallelLinear(4096, 32000, bias=False, tp=self.tp, init_std=0.02)
+        self.output_layer = runtime.ColumnParallelLinear(4096, 32000, bias=False, tp=self.tp, init_std=CONFIG["init_std"])
 
     def forward(self, tokens, labels):
         h = self.embedding(tokens)

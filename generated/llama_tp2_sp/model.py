@@ -42,6 +42,11 @@ SETTINGS = {
 }
 COMPILE_COMMAND = "specc compile specs/llama.yaml --tp 2 --sp"
 
+# the spec's config values that the expressions below name
+CONFIG = {
+    'init_std': 0.02,
+}
+
 
 class SelfAttention(nn.Module):
     """Causal grouped-query attention with rotary position embeddings."""
@@ -49,13 +54,14 @@ class SelfAttention(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_qkv = runtime.ColumnParallelLinear(4096, 6144, bias=False, segments=[4096, 1024, 1024], heads=[32, 8, 8], input_mode="gather", tp=self.tp, init_std=0.02)
+        self.linear_qkv = runtime.ColumnParallelLinear(4096, 6144, bias=False, segments=[4096, 1024, 1024], heads=[32, 8, 8], input_mode="gather", tp=self.tp, init_std=CONFIG["init_std"])
         self.rotary = runtime.RotaryEmbedding(128, base=10000.0)
         self.core_attention = runtime.CoreAttention(16, 4, 128, causal=True, dropout=0.0, backend="sdpa", rng_tracker=rng_tracker)
-        self.linear_proj = runtime.RowParallelLinear(4096, 4096, bias=False, tp=self.tp, init_std=0.02)
+        self.linear_proj = runtime.RowParallelLinear(4096, 4096, bias=False, tp=self.tp, init_std=CONFIG["init_std"])
 
     def forward(self, x):
-        # linear_qkv all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)
+        # linear_qkv all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter
+        # of the input gradient overlapped with the weight gradient)
         qkv = self.linear_qkv(x)  # S(s) -> S(h)
         q, k, v = runtime.split(qkv, [2048, 512, 512])  # S(h) -> S(h),S(h),S(h)
         q = self.rotary(q)  # S(h) -> S(h)
@@ -71,11 +77,12 @@ class MLP(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_fc1 = runtime.ColumnParallelLinear(4096, 22016, bias=False, segments=[11008, 11008], input_mode="gather", tp=self.tp, init_std=0.02)
-        self.linear_fc2 = runtime.RowParallelLinear(11008, 4096, bias=False, tp=self.tp, init_std=0.02)
+        self.linear_fc1 = runtime.ColumnParallelLinear(4096, 22016, bias=False, segments=[11008, 11008], input_mode="gather", tp=self.tp, init_std=CONFIG["init_std"])
+        self.linear_fc2 = runtime.RowParallelLinear(11008, 4096, bias=False, tp=self.tp, init_std=CONFIG["init_std"])
 
     def forward(self, x):
-        # linear_fc1 all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)
+        # linear_fc1 all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter
+        # of the input gradient overlapped with the weight gradient)
         h = self.linear_fc1(x)  # S(s) -> S(h)
         h = runtime.swiglu(h)  # S(h) -> S(h)
         out = self.linear_fc2(h)  # S(h) -> P
@@ -116,10 +123,10 @@ class LlamaModel(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.embedding = runtime.VocabParallelEmbedding(32000, 4096, tp=self.tp, init_std=0.02)
+        self.embedding = runtime.VocabParallelEmbedding(32000, 4096, tp=self.tp, init_std=CONFIG["init_std"])
         self.layers = nn.ModuleList([TransformerLayer(pg, rng_tracker) for _ in range(32)])
         self.final_norm = runtime.RMSNorm(4096, eps=1e-05)
-        self.output_layer = runtime.ColumnParallelLinear(4096, 32000, bias=False, input_mode="gather", tp=self.tp, init_std=0.02)
+        self.output_layer = runtime.ColumnParallelLinear(4096, 32000, bias=False, input_mode="gather", tp=self.tp, init_std=CONFIG["init_std"])
         runtime.mark_tp_partial_grad(self.final_norm.weight)  # used on S(s) values
 
     def forward(self, tokens, labels):
@@ -130,7 +137,8 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             h = layer(h)
         h = self.final_norm(h)  # S(s) -> S(s)
-        # output_layer all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter of the input gradient overlapped with the weight gradient)
+        # output_layer all-gathers its S(s) input over the sequence inside the GEMM (backward: re-gather, reduce-scatter
+        # of the input gradient overlapped with the weight gradient)
         logits = self.output_layer(h)  # S(s) -> S(h)
         # vocab-parallel cross-entropy on sharded logits: two all-reduces of per-token fp32 values inside
         per_token_loss = runtime.vocab_parallel_cross_entropy(logits, labels, self.tp)  # S(h),I -> I

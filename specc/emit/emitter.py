@@ -14,13 +14,17 @@ import jinja2
 
 from .. import __version__
 from ..errors import SpecError
+from ..frontend.load import builtin_names
 from ..layouts import SH, SS, I, P, R
 from ..ops import OPS
 from ..ops.base import EmitCtx
+from .config_expr import ConfigExprs
 from .pytext import docstring_text, string_literal
 from .recipe import make_recipe
 
 _SUFFIX = {I: "full", R: "rep", SS: "seq", SH: "shard", P: "partial"}
+WIDTH = 120  # the columns a comment in model.py fits in (the project's line length)
+_INDENT = 8  # a method body's lines: their indent in the template
 _COLL = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
          "split": "split (local)", "": "identity"}
 
@@ -39,8 +43,12 @@ def emit_model(graph, command: str, recipe: dict | None = None) -> str:
     emitter = _Emitter(graph)
     root_class = emitter.class_for("")
     classes = [emitter.classes[k] for k in emitter.order]
+    for c in classes:
+        c.init, c.body = fit_lines(c.init, emitter.trailing), fit_lines(c.body, emitter.trailing)
     body = "\n".join(ln for c in classes for ln in c.init + c.body)
+    config = emitter.config.literal()
     return _ENV.get_template("model.py.j2").render(
+        uses_math=emitter.config.uses_math, config_dict=_dict_literal(config) if config else None,
         uses_torch="torch." in body, uses_mappings="mappings." in body, checks_ep="pg.ep" in body,
         spec_name=spec.name, description=spec.description or spec.name, version=__version__,
         spec_file=os.path.basename(spec.path), spec_hash=spec.source_hash, command=command,
@@ -85,6 +93,8 @@ class _Emitter:
         self.tp = graph.spec.settings.tp
         self.cp = graph.spec.settings.cp
         self.mesh = graph.mesh
+        self.config = ConfigExprs(graph.spec.config, graph.spec.config_exprs, builtin_names(graph.spec.settings))
+        self.trailing: dict = {}  # line -> (code, its trailing comment): fit_lines may split them
         self.classes: dict = {}  # signature -> _Class
         self.order: list = []  # signatures, children before parents
         self.names: dict = {}  # module name -> count of classes made for it
@@ -145,7 +155,7 @@ class _Emitter:
         items = self.items[scope]
         last_use = self._last_uses(items, outs)
         init, body, built = [], [], {}
-        partial = []
+        partial, marks = [], {}  # marks: parameter -> (its partial axes, the layouts it is used on, first item)
         starts, init_starts, partial_at = [], [], {}  # where each item's lines begin (pipeline stages)
         for index, (what, x) in enumerate(items):
             starts.append(len(body))
@@ -170,15 +180,19 @@ class _Emitter:
                                     f"different modules ({built[op.attr_name]} and {ctor})",
                                     "give each call its own submodule, or make their inputs alike")
             owner = kind.owner(op)
-            for w in op.partial_grad:
-                axes = [a for a in self.mesh.axes if w in op.partial_grads.get(a, ())]
-                where = f"# used on {op.in_layouts[0]} values"
-                if axes == ["tp"]:
-                    partial.append(f"runtime.mark_tp_partial_grad(self.{owner}.{w})  {where}")
-                else:
-                    named = ", ".join(f'"{a}"' for a in axes)
-                    partial.append(f"runtime.mark_partial_grad(self.{owner}.{w}, {named})  {where}")
-                partial_at.setdefault(partial[-1], index)
+            for w in op.partial_grad:  # one mark per weight: the axes of all its uses (marks add up)
+                axes, used_on, _ = marks.setdefault(f"self.{owner}.{w}", (set(), [], index))
+                axes.update(a for a in self.mesh.axes if w in op.partial_grads.get(a, ()))
+                if str(op.in_layouts[0]) not in used_on:
+                    used_on.append(str(op.in_layouts[0]))
+        for param, (axes, used_on, index) in marks.items():
+            where = f"used on {' and '.join(used_on)} values"
+            if axes == {"tp"}:
+                partial.append(self._commented(f"runtime.mark_tp_partial_grad({param})", where))
+            else:
+                named = ", ".join(f'"{a}"' for a in self.mesh.axes if a in axes)
+                partial.append(self._commented(f"runtime.mark_partial_grad({param}, {named})", where))
+            partial_at.setdefault(partial[-1], index)
         if scope == "" and self.g.pipeline is not None:
             return self._pipeline_root(mdef, items, names, init, body, starts, init_starts, partial_at, outs)
         body.append("return " + ", ".join(names.get(v) for v in outs))
@@ -190,6 +204,13 @@ class _Emitter:
             init.insert(0, "self.rng_tracker = rng_tracker")
         init = _order_ties(init) + sorted(set(partial), key=partial.index)
         return init, body, list(mdef.inputs)
+
+    def _commented(self, code: str, comment: str) -> str:
+        """`code  # comment`; where that runs past the line width, fit_lines puts the comment
+        on a line of its own above the code."""
+        line = f"{code}  # {comment}"
+        self.trailing[line] = (code, comment)
+        return line
 
     def _last_uses(self, items, outs) -> dict:
         last = {}
@@ -270,7 +291,7 @@ class _Emitter:
         outs = [names.bind(v, g.values[v].name, index, last_use) for v in op.outputs]
         line = f"{', '.join(outs)} = {call}"
         if layouts:
-            line += f"  # {layouts}"
+            line = self._commented(line, layouts)
         note = kind.note(op)
         if self.recompute is not None and op.id in self.recompute.selective:
             source = self.recompute.regions[self.recompute.selective[op.id]].source
@@ -280,7 +301,7 @@ class _Emitter:
 
     def _ctx(self, op) -> EmitCtx:
         tied = f"self.{self.g.ops[op.tied_to].attr_name}.weight" if op.tied_to else ""
-        return EmitCtx(tp=self.tp, cp=self.cp, tied_expr=tied,
+        return EmitCtx(tp=self.tp, cp=self.cp, tied_expr=tied, expr_of=lambda name: self.config.attr(op, name),
                        in_segments=[tuple(self.g.values[v].segments) for v in op.inputs],
                        in_units=[tuple(self.g.values[v].units) for v in op.inputs])
 
@@ -336,7 +357,8 @@ class _Emitter:
         for owner, copy in pipe.ties:
             op = g.ops[copy]
             std = g.ops[op.tied_to].attrs.get("init_std")
-            std_arg = f", init_std={std!r}" if std is not None else ""
+            std_expr = self.config.attr(g.ops[op.tied_to], "init_std") or repr(std)
+            std_arg = f", init_std={std_expr}" if std is not None else ""
             pre_init.append(f"runtime.tie_across_stages(self.{g.ops[op.tied_to].attr_name}.weight, "
                             f"{string_literal(owner)})  # its gradient is summed with the last stage's copy")
             post_init.append(f"runtime.tie_across_stages(self.{op.attr_name}.weight, {string_literal(owner)}, "
@@ -384,6 +406,31 @@ class _Names:
                     self.holder[name] = vid
                     return name
         raise AssertionError("ran out of names")
+
+
+def fit_lines(lines: list, trailing: dict) -> list:
+    """Comments within WIDTH columns at the methods' indent: a trailing comment that runs past it
+    moves to a line of its own above its code; a comment line past it wraps at spaces."""
+    out = []
+    for line in lines:
+        text = line.lstrip(" ")
+        pad = " " * (len(line) - len(text))
+        if _INDENT + len(line) <= WIDTH:
+            out.append(line)
+        elif text in trailing:
+            code, comment = trailing[text]
+            out += _comment_lines(pad, comment) + [pad + code]
+        elif text.startswith("# "):
+            out += _comment_lines(pad, text[2:])
+        else:
+            out.append(line)  # code: its width is its own
+    return out
+
+
+def _comment_lines(pad: str, comment: str) -> list:
+    width = WIDTH - _INDENT - len(pad) - 2
+    return [f"{pad}# {part}" for part in textwrap.wrap(comment, width, break_long_words=False,
+                                                       break_on_hyphens=False)]
 
 
 def carry_out(block_body: list, carry: str) -> str:

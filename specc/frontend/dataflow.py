@@ -14,7 +14,7 @@ from .expr import char_col, error_col, parse_python, syntax_message
 from .model import Expr, Step
 
 # names the generated code uses itself; a spec variable may not shadow them
-RESERVED = frozenset({"self", "torch", "runtime", "mappings", "nn", "rng_tracker", "pg", "tp", "super", "range",
+RESERVED = frozenset({"self", "math", "torch", "runtime", "mappings", "nn", "rng_tracker", "pg", "tp", "super", "range",
                       "len", "tuple", "list", "dict", "int", "float", "print", "layer", "CONFIG", "SETTINGS",
                       "ValueError"})
 # what the generated module defines at its top level: no spec name may replace (or shadow) it

@@ -29,6 +29,15 @@ def has_interpolation(text: str) -> bool:
     return "${" in text
 
 
+def whole_expression(text) -> str | None:
+    """The source inside a text that is one whole `${expr}` (whose value is the expression's, a
+    number staying a number), else None."""
+    if not isinstance(text, str):
+        return None
+    whole = _INTERP.fullmatch(text.strip())
+    return whole.group(1).strip() if whole else None
+
+
 def interpolate(text: str, loc: Loc, lookup):
     """Evaluate every `${expr}` in text. A string that is one whole `${expr}` yields its value
     (a number stays a number); otherwise the parts are formatted into a string."""

@@ -10,7 +10,7 @@ import os
 from ..errors import Loc, SpecError, did_you_mean
 from ..ops import SPEC_OPS
 from .dataflow import check_identifier, parse_step
-from .expr import has_interpolation, interpolate, unknown_name
+from .expr import has_interpolation, interpolate, unknown_name, whole_expression
 from .megatron import check_megatron
 from .model import Leaf, ModelInput, ModuleDef, Ref, Settings, Spec
 from .packed import thread_packed_inputs
@@ -126,6 +126,12 @@ def _apply_override(raw: LDict, key: str, value, loc: Loc) -> None:
 
 # -- building the model ----------------------------------------------------------------------
 
+def builtin_names(settings: Settings) -> dict:
+    """The names every spec's `${...}` may use besides its config: the parallel settings."""
+    return {"tensor_model_parallel_size": settings.tp, "micro_batch_size": settings.micro_batch_size,
+            "sequence_parallel": settings.sp}
+
+
 class _Builder:
     def __init__(self, raw: LDict, path: str, settings: Settings, digest: str):
         self.raw, self.path, self.settings, self.digest = raw, path, settings, digest
@@ -162,13 +168,13 @@ class _Builder:
             _check_hf(raw["hf"], raw.value_loc("hf"), self.value)
         if "megatron" in raw:  # its form; the flags the command line owns: specc_cli/megatron_flags.py
             check_megatron(raw["megatron"], raw.value_loc("megatron"), self.config_raw)
+        exprs = {k: e for k in self.config_raw if (e := whole_expression(self.config_raw[k])) is not None}
         return Spec(name, self.path, str(desc) if desc else "", config, modules, root, inputs, self.settings,
-                    self.digest, raw.get("hf"))
+                    self.digest, raw.get("hf"), exprs)
 
     # -- config and interpolation --
     def _builtins(self) -> dict:
-        return {"tensor_model_parallel_size": self.settings.tp, "micro_batch_size": self.settings.micro_batch_size,
-                "sequence_parallel": self.settings.sp}
+        return builtin_names(self.settings)
 
     def lookup(self, name: str, loc: Loc):
         builtins = self._builtins()
@@ -323,7 +329,7 @@ class _Builder:
             raise SpecError(raw.value_loc("impl"), f"op '{op_name}' has no '{impl}' implementation",
                             "available: " + ", ".join(("auto",) + kind.impls))
         known = {a.name: a for a in kind.attrs}
-        attrs = {}
+        attrs, exprs = {}, {}
         for key in raw:
             if key in LEAF_RESERVED:
                 continue
@@ -332,13 +338,15 @@ class _Builder:
                                 did_you_mean(key, list(known) + sorted(LEAF_RESERVED)))
             attrs[key] = self._attr(known[key], raw[key], raw.value_loc(key))
             locs[key] = raw.value_loc(key)
+            if (expr := whole_expression(raw[key])) is not None:
+                exprs[key] = (expr, attrs[key])
         for a in kind.attrs:
             if a.name not in attrs:
                 if a.required:
                     raise SpecError(raw.loc, f"op '{op_name}' in submodule '{name}' is missing required attribute '{a.name}'",
                                     a.doc or f"add '{a.name}: ...'")
                 attrs[a.name] = a.default
-        return Leaf(name, op_name, impl, attrs, locs, raw.loc)
+        return Leaf(name, op_name, impl, attrs, locs, raw.loc, attr_exprs=exprs)
 
     def _attr(self, attr, raw, loc: Loc):
         value = self.value(raw, loc)

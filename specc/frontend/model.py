@@ -38,6 +38,7 @@ class Leaf:
     attr_locs: dict
     loc: Loc
     name_loc: Loc | None = None  # where the submodule is named
+    attr_exprs: dict = field(default_factory=dict)  # attribute -> (its `${...}` source, its value) when one whole
 
 
 @dataclass
@@ -94,3 +95,4 @@ class Spec:
     settings: Settings
     source_hash: str
     hf: dict | None = None
+    config_exprs: dict = field(default_factory=dict)  # config name -> its `${...}` source, when it is one whole

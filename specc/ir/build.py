@@ -67,10 +67,11 @@ def _eval(g: Graph, m, scope: str, index: int, e, env: dict, targets: list) -> l
         return args[:1]
     assert isinstance(sub, Leaf)
     return _leaf(g, m, scope, index, e, sub.op, sub.attrs, f"{prefix}{sub.name}", sub.name, args, targets, sub.impl,
-                 sub.attr_locs)
+                 sub.attr_locs, sub.attr_exprs)
 
 
-def _leaf(g, m, scope, index, e, kind_name, attrs, base_id, attr_name, args, targets, impl, locs=None) -> list:
+def _leaf(g, m, scope, index, e, kind_name, attrs, base_id, attr_name, args, targets, impl, locs=None,
+          exprs=None) -> list:
     kind = OPS[kind_name]
     op_id = g.unique_id(base_id)
 
@@ -93,7 +94,7 @@ def _leaf(g, m, scope, index, e, kind_name, attrs, base_id, attr_name, args, tar
         seq_dim = seq_dims[i] if i < len(seq_dims) else 0
         outs.append(g.add_value(Value(vid, name, tuple(shape), dtype, op_id, seq_dim=seq_dim)).id)
     op = Op(op_id, kind_name, dict(attrs), list(args), outs, scope, m.name, attr_name, index, e.loc, impl=impl,
-            attr_locs=dict(locs or {}))
+            attr_locs=dict(locs or {}), attr_exprs=dict(exprs or {}))
     g.insert_op(op)
     for follower, follower_attrs in kind.followers(attrs):
         outs = _follower(g, op, m, follower, follower_attrs, outs)

@@ -68,6 +68,7 @@ class Op:
     tied_to: str | None = None  # op id whose weight this op shares
     partial_grads: dict = field(default_factory=dict)  # mesh axis -> weight names whose grads are partial there
     attr_locs: dict = field(default_factory=dict)  # spec locations of attributes, for errors
+    attr_exprs: dict = field(default_factory=dict)  # attribute -> (its `${...}` source, value): Leaf.attr_exprs
 
     @property
     def local_name(self) -> str:

@@ -299,6 +299,13 @@ class EmitCtx:
     tied_expr: str = ""  # the Python expression of the weight a tied op shares
     in_segments: list = field(default_factory=list)  # per input: the segments its S(h) shards are cut by
     in_units: list = field(default_factory=list)  # per input: heads per segment (Value.units)
+    expr_of: object = None  # attribute name -> its spec expression as Python over CONFIG, or None
+
+    def attr(self, node, name: str) -> str:
+        """Attribute `name` as Python source: the expression of config names the spec wrote for it
+        (emit/config_expr.py), else its value."""
+        text = self.expr_of(name) if self.expr_of is not None else None
+        return text if text is not None else repr(node.attrs[name])
 
 
 def need_divisible(value: int, by: int, what: str, loc: Loc, hint: str = "", axis: str = "tp") -> None:

@@ -50,8 +50,8 @@ class Embedding(OpKind):
         a = node.attrs
         if a["parallel"] == "none":  # the whole table on every rank, recorded as replicated at any TP size
             return (f"runtime.VocabParallelEmbedding({a['num_embeddings']}, {a['embedding_dim']}, "
-                    f"tp=runtime.Group.single(\"tp\"), init_std={a['init_std']!r}, replicated=True)")
-        return f"runtime.VocabParallelEmbedding({a['num_embeddings']}, {a['embedding_dim']}, tp=self.tp, init_std={a['init_std']!r})"
+                    f"tp=runtime.Group.single(\"tp\"), init_std={ctx.attr(node, 'init_std')}, replicated=True)")
+        return f"runtime.VocabParallelEmbedding({a['num_embeddings']}, {a['embedding_dim']}, tp=self.tp, init_std={ctx.attr(node, 'init_std')})"
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({args[0]})"
@@ -103,7 +103,7 @@ class PositionEmbedding(OpKind):
         a = node.attrs
         cp = ", cp=self.cp" if node.in_layouts[0]["cp"] == "S(s)" else ""
         cp += f", offset={a['offset']}" if a["offset"] else ""
-        return f"runtime.PositionEmbedding({a['num_embeddings']}, {a['embedding_dim']}, init_std={a['init_std']!r}{cp})"
+        return f"runtime.PositionEmbedding({a['num_embeddings']}, {a['embedding_dim']}, init_std={ctx.attr(node, 'init_std')}{cp})"
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({', '.join(args)})"

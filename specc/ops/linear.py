@@ -184,7 +184,7 @@ class Linear(OpKind):
         mode = a["parallel"]  # at TP=1 the same classes run with a group of one
         te = "TE" if node.impl == "te" else ""  # TE kernels behind the same contract (runtime/te.py)
         if mode == "row":
-            return f"runtime.{te}RowParallelLinear({', '.join(args + kw)}, tp=self.tp, init_std={a['init_std']!r})"
+            return f"runtime.{te}RowParallelLinear({', '.join(args + kw)}, tp=self.tp, init_std={ctx.attr(node, 'init_std')})"
         tp = "self.tp" if mode == "column" else 'runtime.Group.single("tp")'
         if a.get("segments") and mode == "column":
             kw.append(f"segments={list(a['segments'])}")
@@ -196,7 +196,7 @@ class Linear(OpKind):
             kw.append(f"weight={ctx.tied_expr}")
         if mode == "none":  # every rank holds the whole weight: recorded as replicated at any TP size
             kw.append("replicated=True")
-        return f"runtime.{te}ColumnParallelLinear({', '.join(args + kw)}, tp={tp}, init_std={a['init_std']!r})"
+        return f"runtime.{te}ColumnParallelLinear({', '.join(args + kw)}, tp={tp}, init_std={ctx.attr(node, 'init_std')})"
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({args[0]})"

@@ -233,7 +233,7 @@ class MoE(OpKind):
                      "z_loss_coeff", "expert_bias", "expert_bias_update_rate", "shared_expert_size",
                      "shared_expert_gate", "init_std", "num_groups", "group_topk", "topk_scaling_factor"):
             if a[name] != defaults[name] or name == "init_std":
-                kw.append(f"{name}={a[name]!r}")
+                kw.append(f"{name}={ctx.attr(node, name)}")
         if a["capacity_factor"]:
             kw.append(f"capacity_factor={a['capacity_factor']!r}")
         if not a["grouped_gemm"]:

@@ -4,6 +4,7 @@ checked for staleness."""
 from __future__ import annotations
 
 import ast
+import math
 import os
 import shutil
 import subprocess
@@ -30,7 +31,7 @@ def test_generated_code_parses_and_imports_only_torch_and_runtime(compiled, name
             imported |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module.split(".")[0])
-    assert imported <= {"torch", "runtime"}
+    assert imported <= {"math", "torch", "runtime"}  # math: the spec's sqrt in an init scale
     classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
     assert len(classes) == 4  # one class per spec module: identical layers share one
     if tp == 1:
@@ -113,3 +114,28 @@ def test_compiled_tiny_models_run_forward_and_backward_at_tp1(compiled):
         assert abs(loss.mean().item() - torch.log(torch.tensor(256.0)).item()) < 0.2  # near-uniform at init
         loss.mean().backward()
         assert all(p.grad is not None for p in model.parameters())
+
+
+def test_init_scales_are_the_specs_expressions_and_each_gradient_mark_is_written_once(compiled):
+    """gpt.yaml's residual-output scale `${init_std / sqrt(2 * num_layers)}` reaches model.py as that
+    expression over CONFIG, which Python evaluates to the very float the compiler computed; every
+    partial-gradient mark names its parameter once, with the union of the axes of all its uses (the
+    row-parallel bias at TP x CP is partial over cp where the GEMM uses it and over tp and cp where
+    it is added to S(s)); every comment fits 120 columns."""
+    _, g = compiled("gpt.yaml", tp=2, sp=True, cp=2)
+    source = emit_model(g, "x")
+    assert "import math\n" in source
+    assert 'init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))' in source
+    tree = ast.parse(source)
+    config = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                  and n.targets[0].id == "CONFIG")
+    assert config == {"num_layers": 12, "init_std": 0.02}
+    proj = next(op for op in g.iter_ops() if op.attr_name == "linear_proj" and op.kind == "linear")
+    assert config["init_std"] / math.sqrt(2 * config["num_layers"]) == proj.attrs["init_std"]
+    marks = [ln.strip() for ln in source.splitlines() if "mark_partial_grad(" in ln or "mark_tp_partial_grad(" in ln]
+    params = [m.split("(", 1)[1].split(",")[0].rstrip(")") for m in marks]
+    assert len(params) == len(set(params)) > 0
+    assert 'runtime.mark_partial_grad(self.linear_proj.bias, "tp", "cp")' in marks
+    assert all(len(ln) <= 120 for ln in source.splitlines() if ln.strip().startswith("#") or "  # " in ln)
+    given = emit_model(compiled("gpt.yaml", overrides={"output_init_std": 0.001})[1], "x")
+    assert 'init_std=CONFIG["output_init_std"])' in given and "    'output_init_std': 0.001,\n" in given
