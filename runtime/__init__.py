@@ -34,6 +34,7 @@ from .mappings import (
 from .moe import MoELayer
 from .parallel_state import Group, ProcessGroups
 from .random import RNGTracker
+from .rope import AttentionTemperature
 from .te import TEColumnParallelLinear, TELayerNorm, TERMSNorm, TERowParallelLinear
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "LayerNorm",
     "RMSNorm",
     "RotaryEmbedding",
+    "AttentionTemperature",
     "CoreAttention",
     "Dropout",
     "gelu",

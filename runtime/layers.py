@@ -313,7 +313,7 @@ class _Norm(nn.Module):
     when there are fewer heads than ranks (as the K/V heads of a fused QKV)."""
 
     def __init__(self, hidden_size: int, eps: float, zero_centered_gamma: bool, head_dim: int | None,
-                 bias: bool, heads: int | None = None, tp: Group | None = None):
+                 bias: bool, heads: int | None = None, tp: Group | None = None, affine: bool = True):
         super().__init__()
         if head_dim is not None and hidden_size % head_dim:
             raise ValueError(f"hidden_size {hidden_size} is not a multiple of head_dim {head_dim}")
@@ -322,6 +322,9 @@ class _Norm(nn.Module):
         self.hidden_size, self.eps, self.head_dim, self.heads = hidden_size, eps, head_dim, heads
         self.zero_centered_gamma = zero_centered_gamma
         gain = "zeros" if zero_centered_gamma else "ones"
+        if not affine:  # normalized only (Llama 4's q/k norm): no gain, no bias
+            self.weight = self.bias = None
+            return
         if heads is None:
             size = head_dim or hidden_size
             self.weight = tag_parameter(nn.Parameter(torch.empty(size)), gain)
@@ -337,7 +340,9 @@ class _Norm(nn.Module):
             if self.bias is not None:
                 self.bias.zero_()
 
-    def gain(self, dtype, weight=None) -> torch.Tensor:
+    def gain(self, dtype, weight=None) -> torch.Tensor | float:
+        if self.weight is None:
+            return 1.0
         w = (self.weight if weight is None else weight).to(dtype)
         return w + 1.0 if self.zero_centered_gamma else w
 
@@ -352,6 +357,7 @@ class _Norm(nn.Module):
         extra = f", head_dim={self.head_dim}" if self.head_dim else ""
         extra += ", zero_centered_gamma=True" if self.zero_centered_gamma else ""
         extra += f", heads={self.heads}" if self.heads else ""
+        extra += ", elementwise_affine=False" if self.weight is None else ""
         return f"{self.hidden_size}, eps={self.eps}{extra}"
 
 
@@ -377,7 +383,8 @@ class LayerNorm(_Norm):
 
 class RMSNorm(_Norm):
     """RMSNorm over the last dim, or over each head of `head_dim`; scaled by (1 + weight) with
-    zero_centered_gamma.
+    zero_centered_gamma; not scaled at all, with no weight, when elementwise_affine=False (Llama
+    4's q/k norm, transformers' Llama4TextL2Norm).
 
     With `tp`, the input is this rank's shard of the last dim (S(h): q's or k's local heads) and
     the norm is over the full width: the per-token sum of squares is all-reduced over tp. The
@@ -385,9 +392,10 @@ class RMSNorm(_Norm):
     slice of its features: of every segment when the shard is cut by `segments` (full sizes)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, zero_centered_gamma: bool = False,
-                 head_dim: int | None = None, tp: Group | None = None, segments=None, heads: int | None = None):
+                 head_dim: int | None = None, tp: Group | None = None, segments=None, heads: int | None = None,
+                 elementwise_affine: bool = True):
         super().__init__(hidden_size, eps, zero_centered_gamma, head_dim, bias=False, heads=heads,
-                         tp=tp if heads is not None else None)
+                         tp=tp if heads is not None else None, affine=elementwise_affine)
         self.tp = tp if tp is not None and tp.size > 1 and head_dim is None else None
         self.features = None  # (start, end) of this rank's features in the full width
         if self.tp is not None:
@@ -411,6 +419,8 @@ class RMSNorm(_Norm):
             raise ValueError(f"expected this rank's {local} of {self.hidden_size} features, got last dim {x.shape[-1]}")
         squares = _AllReduceSum.apply(xf.pow(2).sum(dim=-1, keepdim=True), self.tp)
         y = xf * torch.rsqrt(squares / self.hidden_size + self.eps)
+        if self.weight is None:
+            return y.to(x.dtype)
         weight = torch.cat([self.weight[a:b] for a, b in self.features]) if len(self.features) > 1 else \
             self.weight[self.features[0][0]:self.features[0][1]]
         return (y * self.gain(xf.dtype, weight)).to(x.dtype)

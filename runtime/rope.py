@@ -86,12 +86,14 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: str = "none", factor: f
     if scaling == "linear":
         inv_freq = inv_freq / factor
     elif scaling == "llama3":
-        if high_freq_factor <= low_freq_factor:
-            raise ValueError(f"llama3 rope scaling needs high_freq_factor > low_freq_factor, got "
+        if high_freq_factor < low_freq_factor:
+            raise ValueError(f"llama3 rope scaling needs high_freq_factor >= low_freq_factor, got "
                              f"{high_freq_factor} and {low_freq_factor}")
         wavelen = 2 * math.pi / inv_freq
         low_wavelen, high_wavelen = original_max_positions / low_freq_factor, original_max_positions / high_freq_factor
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        if high_freq_factor == low_freq_factor:  # a step (Llama 4 Scout): nothing between to smooth
+            return scaled.float()
         smooth = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
@@ -190,3 +192,29 @@ class RotaryEmbedding(nn.Module):
         return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}, "
                 f"interleaved={self.interleaved}, scaling={self.scaling}"
                 + (f", attention_factor={self.attention_factor}" if self.attention_factor != 1.0 else ""))
+
+
+class AttentionTemperature(nn.Module):
+    """Llama 4's attention temperature tuning (transformers' attn_temperature_tuning, on its layers
+    without rope): each query at global position p is multiplied by
+    log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1, in fp32, then cast back (as
+    transformers does). forward(q [s, b, width]) at positions 0..s-1, or with a context-parallel
+    `cp` of size N > 1 at the global positions of this rank's load-balanced chunks."""
+
+    def __init__(self, floor_scale: float, attn_scale: float, *, cp: Group | None = None):
+        super().__init__()
+        if floor_scale <= 0:
+            raise ValueError(f"floor_scale must be positive, got {floor_scale}")
+        self.floor_scale, self.attn_scale, self.cp = float(floor_scale), float(attn_scale), cp
+
+    def scales(self, s: int, device) -> torch.Tensor:
+        """[s] fp32: the factor of each of this rank's s positions."""
+        n = self.cp.size if self.cp is not None else 1
+        positions = load_balanced_positions(s, self.cp, device) if n > 1 else torch.arange(s, device=device)
+        return torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.scales(x.shape[0], x.device).view(-1, *([1] * (x.dim() - 1)))).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"floor_scale={self.floor_scale}, attn_scale={self.attn_scale}"

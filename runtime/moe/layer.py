@@ -1,6 +1,8 @@
 """The MoE layer a generated module calls: router, token dispatch, grouped experts, combine, and
 optional shared experts that every token passes through (Qwen2-MoE, DeepSeek-MoE), optionally
-scaled by a sigmoid gate (Qwen2-MoE's shared_expert_gate).
+scaled by a sigmoid gate (Qwen2-MoE's shared_expert_gate). With apply_probs_on_input (Llama 4,
+Megatron's --moe-apply-probs-on-input; top-1 only) the routing weight scales the token the expert
+receives instead of the expert's output.
 
 Layouts on tp: the input is R (the tokens of the TP group on every TP rank: the compiler
 all-gathers them with sequence parallelism), the output P (partial sums over TP, which the
@@ -50,9 +52,13 @@ class MoELayer(nn.Module):
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, expert_bias: bool = False,
                  expert_bias_update_rate: float = 1e-3, capacity_factor: float | None = None,
                  shared_expert_size: int = 0, shared_expert_gate: bool = False, grouped: bool = True,
-                 init_std: float = 0.02, num_groups: int = 1, group_topk: int = 1, topk_scaling_factor: float = 1.0):
+                 init_std: float = 0.02, num_groups: int = 1, group_topk: int = 1, topk_scaling_factor: float = 1.0,
+                 apply_probs_on_input: bool = False):
         super().__init__()
+        if apply_probs_on_input and topk != 1:
+            raise ValueError(f"apply_probs_on_input needs topk 1 (a token's one expert), got topk={topk}")
         ep = ep or Group.single("ep")
+        self.apply_probs_on_input = apply_probs_on_input
         self.hidden_size = hidden_size
         self.router = TopKRouter(hidden_size, num_experts, topk, tp=tp, cp=cp, score_function=score_function,
                                  topk_renorm=topk_renorm, load_balancing_type=load_balancing_type,
@@ -71,7 +77,10 @@ class MoELayer(nn.Module):
         """x [s, b, h] (R on tp) -> [s, b, h] partial sums over TP."""
         tokens = x.reshape(-1, self.hidden_size)
         weights, expert_ids, kept = self.router(tokens)
-        rows, per_expert, routing = self.dispatcher.dispatch(tokens, expert_ids, kept)
+        routed = tokens
+        if self.apply_probs_on_input:  # Llama 4: the expert gets its token scaled, its output is not
+            routed, weights = tokens * weights.to(tokens.dtype), torch.ones_like(weights)
+        rows, per_expert, routing = self.dispatcher.dispatch(routed, expert_ids, kept)
         out = self.dispatcher.combine(self.experts(rows, per_expert), weights, routing)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)

@@ -27,12 +27,12 @@ from .loss import CrossEntropy
 from .mamba import Mamba2Mixer
 from .moe import MoE
 from .norm import LayerNorm, RMSNorm
-from .rotary import Rotary
+from .rotary import AttentionTemperature, Rotary
 
 _ALL = (Linear(), BiasAdd(), Embedding(), PositionEmbedding(), LayerNorm(), RMSNorm(), Gelu(), Silu(), Swiglu(),
         Dropout(), Split(), Add(), Mul(), Rotary(), CoreAttention(), CrossEntropy(), BoundaryOp(),
         MoE(), Concat(), ExpandHeads(),
-        Mamba2Mixer(),
+        Mamba2Mixer(), AttentionTemperature(),
         Relu(), SquaredRelu(), Glu(), Geglu(), Reglu(), Scale(), Softcap(), Clamp())
 OPS = {op.name: op for op in _ALL}
 # what a spec may name with `op:` (builtins come from `+` and `*`; bias_add is made by the compiler)

@@ -46,10 +46,15 @@ def _attn_config(key: str):
 
 def _chunks(config, n):
     """Per layer: Llama 4's attention_chunk_size where layer_types says chunked_attention (or, in
-    older files, no_rope_layers has a 1: its rope layers are the chunked ones), none elsewhere."""
+    files without it, no_rope_layers has a 1: its rope layers are the chunked ones), none
+    elsewhere. An empty or missing no_rope_layers beside no_rope_layer_interval is what
+    transformers makes of it: every interval-th layer without rope (Llama4TextConfig)."""
     size, types = config.get("attention_chunk_size"), config.get("layer_types")
     if not isinstance(types, list) or not types:
         flags = config.get("no_rope_layers")
+        interval = config.get("no_rope_layer_interval")
+        if not (isinstance(flags, list) and flags) and _is_int(interval) and interval > 0:
+            flags = [int((i + 1) % interval != 0) for i in range(n)]
         if not (isinstance(flags, list) and flags):
             return None if size is None else [size] * n
         types = ["chunked_attention" if f else "full_attention" for f in flags]

@@ -56,6 +56,9 @@ class MoE(OpKind):
         Attr("shared_expert_size", "int", default=0, minimum=0,
              doc="shared experts' MLP width, 0 for none (--moe-shared-expert-intermediate-size)"),
         Attr("shared_expert_gate", "bool", default=False, doc="scale the shared experts by sigmoid(x w) (Qwen2-MoE)"),
+        Attr("apply_probs_on_input", "bool", default=False,
+             doc="the routing weight scales the token each expert receives, not the expert's output (Llama 4; "
+                 "--moe-apply-probs-on-input); topk 1 only"),
         Attr("grouped_gemm", "bool", default=True, doc="one batched GEMM per projection over the local experts"),
         Attr("init_std", "float", default=0.02, minimum=0.0),
     )
@@ -63,6 +66,9 @@ class MoE(OpKind):
     def check(self, attrs, locs, ctx):
         if attrs["topk"] > attrs["num_experts"]:
             raise SpecError(locs.get("topk"), f"topk={attrs['topk']} exceeds num_experts={attrs['num_experts']}")
+        if attrs["apply_probs_on_input"] and attrs["topk"] != 1:
+            raise SpecError(locs.get("apply_probs_on_input"), f"apply_probs_on_input needs topk 1, got topk="
+                            f"{attrs['topk']}", "a token scaled once goes to one expert (Megatron asserts the same)")
         ep = getattr(ctx, "ep", 1)
         if ep > 1 and attrs["num_experts"] % ep:
             raise SpecError(locs.get("num_experts"), f"num_experts={attrs['num_experts']} is not divisible by "
@@ -138,6 +144,10 @@ class MoE(OpKind):
             HFKnob("routed_scaling_factor", first("routed_scaling_factor"), lambda a: a["topk_scaling_factor"]),
             HFKnob("n_group", first("n_group"), lambda a: a["num_groups"]),
             HFKnob("topk_group", first("topk_group"), lambda a: a["group_topk"]),
+            # Llama 4's experts take their token times its routing weight: the architecture's, never
+            # in config.json (its mapping's import_defaults says so); other MoE configs weight the output
+            HFKnob("moe_apply_probs_on_input", lambda config, n: [bool(config.get("moe_apply_probs_on_input"))] * n,
+                   lambda a: a["apply_probs_on_input"]),
             HFKnob("n_group > 1: each group scored by its best 2 experts (num_experts_per_tok / topk_group)",
                    lambda config, n: [2] * n if isinstance(config.get("n_group"), int) and config["n_group"] > 1
                    else None,
@@ -231,7 +241,8 @@ class MoE(OpKind):
         defaults = {attr.name: attr.default for attr in self.attrs}
         for name in ("activation", "score_function", "topk_renorm", "load_balancing_type", "aux_loss_coeff",
                      "z_loss_coeff", "expert_bias", "expert_bias_update_rate", "shared_expert_size",
-                     "shared_expert_gate", "init_std", "num_groups", "group_topk", "topk_scaling_factor"):
+                     "shared_expert_gate", "init_std", "num_groups", "group_topk", "topk_scaling_factor",
+                     "apply_probs_on_input"):
             if a[name] != defaults[name] or name == "init_std":
                 kw.append(f"{name}={ctx.attr(node, name)}")
         if a["capacity_factor"]:

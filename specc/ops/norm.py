@@ -106,6 +106,8 @@ class _Norm(OpKind):
         if node.attrs.get("gain_per_head"):
             return f"{node.attr_name} normalizes each local head with its own gain, sharded with the heads"
         if node.attrs.get("head_dim"):
+            if not self.weights(node.attrs):
+                return f"{node.attr_name} normalizes each local head (no weight)"
             return f"{node.attr_name} normalizes each local head; its weight is shared by the heads of all ranks"
         return (f"{node.attr_name} normalizes over the full width of a sharded value: the sum of squares is "
                 "all-reduced per token (its gradient too, in backward)")
@@ -175,9 +177,30 @@ class LayerNorm(_Norm):
 class RMSNorm(_Norm):
     name = "rmsnorm"
     doc = ("RMSNorm (no bias, no mean subtraction); per head with head_dim; (1 + weight) with "
-           "zero_centered_gamma; over a tensor-parallel shard with one all-reduce per token.")
+           "zero_centered_gamma; no weight with elementwise_affine: false; over a tensor-parallel shard with one "
+           "all-reduce per token.")
+    attrs = _Norm.attrs + (
+        Attr("elementwise_affine", "bool", default=True,
+             doc="false: normalize only, no weight (Llama 4's q/k norm, transformers' Llama4TextL2Norm)"),)
     runtime_class = "RMSNorm"
     sharded_full_width = True
 
+    def check(self, attrs, locs, ctx):
+        super().check(attrs, locs, ctx)
+        if not attrs.get("elementwise_affine", True):
+            for key in ("zero_centered_gamma", "gain_per_head"):
+                if attrs.get(key):
+                    raise SpecError(locs.get(key), f"{key} scales by a weight, but elementwise_affine: false has none")
+
     def weights(self, attrs):
+        if not attrs.get("elementwise_affine", True):
+            return []
         return [self.weight("weight", attrs, self.weight_init(attrs))]
+
+    def options(self, attrs):
+        return super().options(attrs) + ([] if attrs.get("elementwise_affine", True) else ["elementwise_affine=False"])
+
+    def impl_unsupported(self, attrs, impl):
+        if impl == "te" and not attrs.get("elementwise_affine", True):
+            return "cannot normalize without a weight"
+        return super().impl_unsupported(attrs, impl)

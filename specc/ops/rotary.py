@@ -1,6 +1,7 @@
 """Rotary position embedding: the op, and the Hugging Face rope settings it models (transformers'
 rope_parameters, older rope_scaling, per layer type), with YaRN's and LongRoPE's derivations in
-rope_scaling.py."""
+rope_scaling.py; and Llama 4's attention temperature tuning, the position-dependent query scale of
+its layers without rope."""
 
 from __future__ import annotations
 
@@ -121,9 +122,10 @@ class Rotary(OpKind):
         if r % 2 or r > d:
             raise SpecError(locs.get("rotary_dim", locs.get("head_dim")),
                             f"rotary_dim={r} must be even and at most head_dim={d}")
-        if attrs["scaling"] == "llama3" and attrs["high_freq_factor"] <= attrs["low_freq_factor"]:
+        # equal factors: a step, no smoothing between (Llama 4 Scout's 1.0 and 1.0)
+        if attrs["scaling"] == "llama3" and attrs["high_freq_factor"] < attrs["low_freq_factor"]:
             raise SpecError(locs.get("high_freq_factor", locs.get("scaling")),
-                            f"llama3 scaling needs high_freq_factor > low_freq_factor, got "
+                            f"llama3 scaling needs high_freq_factor >= low_freq_factor, got "
                             f"{attrs['high_freq_factor']} and {attrs['low_freq_factor']}")
         if attrs["scaling"] == "longrope":
             for key in ("short_factor", "long_factor"):
@@ -204,3 +206,59 @@ class Rotary(OpKind):
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({', '.join(args)})"
+
+
+def _temperature_key(key: str):
+    """requested(): config.json's `key` for the model's temperature-tuned queries, one value for
+    all (`any`), when config.json turns the tuning on (Llama 4's attn_temperature_tuning, which
+    early files give as a number: any truthy value is on)."""
+    def requested(config, n):
+        if not config.get("attn_temperature_tuning") or key not in config:
+            return None
+        return [config[key]]
+    return requested
+
+
+class AttentionTemperature(OpKind):
+    name = "attn_temperature"
+    doc = ("Llama 4's attention temperature tuning (on its layers without rope): each query at global position p "
+           "times log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1, over [s, b, heads*head_dim].")
+    attrs = (
+        Attr("floor_scale", "float", required=True, minimum=1.0, doc="positions per step of the log (HF floor_scale)"),
+        Attr("attn_scale", "float", required=True, minimum=0.0, doc="the log's weight (HF attn_scale)"),
+    )
+    nonlinear = True  # position-dependent, as rotary: never on a partial sum
+    any_cut = True  # one factor per token, the same for every feature
+
+    def hf_knobs(self):
+        def tuning(config, n):
+            flag = config.get("attn_temperature_tuning")
+            return None if flag is None else [bool(flag)]
+
+        return (
+            # on or off for the model: a spec with no such op models it off
+            HFKnob("attn_temperature_tuning", tuning, lambda a: True, any=True, absent=False),
+            HFKnob("floor_scale", _temperature_key("floor_scale"), lambda a: a["floor_scale"], any=True),
+            HFKnob("attn_scale", _temperature_key("attn_scale"), lambda a: a["attn_scale"], any=True),
+        )
+
+    def rule_tp(self, attrs, ctx):
+        return LayoutRule(allowed=("I", "R", "S(h)"))  # by position: whole sequences on each rank
+
+    def rule_cp(self, attrs, ctx):
+        # on a CP shard the module takes the global positions of this rank's two chunks
+        return LayoutRule(allowed=("S(s)",))
+
+    def out_segments(self, attrs, in_segments):
+        return in_segments[0] if in_segments else ()
+
+    def saved_bytes(self, node, local_in, local_out, elt):
+        return []  # linear in its input: backward needs only the per-position factors
+
+    def constructor(self, node, ctx):
+        a = node.attrs
+        cp = ", cp=self.cp" if node.in_layouts[0]["cp"] == "S(s)" else ""
+        return f"runtime.AttentionTemperature({a['floor_scale']!r}, {a['attn_scale']!r}{cp})"
+
+    def call(self, node, args, ctx):
+        return f"self.{node.attr_name}({args[0]})"

@@ -5,7 +5,8 @@ import: HF_DIR (config.json + model.safetensors, or a sharded index) -> a specc 
 export: a specc checkpoint (any layout it was saved at) -> HF_DIR that transformers'
     from_pretrained reads.
 
-Per mapping entry: GPT-2's Conv1D weights are [in, out] (`transpose: true`); fused specc weights
+Per mapping entry: GPT-2's Conv1D weights are [in, out] (`transpose: true`; the last two dims of
+stacked experts, Llama 4's [E, in, out]); fused specc weights
 ([q | k | v], [gate | up]) are split into / joined from one HF tensor per segment, the segment
 sizes coming from the compiled model; rotary q/k rows are permuted when the HF layout is
 interleaved (specc's rotary op rotates halves, as HF Llama's weights already do).
@@ -126,8 +127,8 @@ def _check_permute(t: torch.Tensor, entry, hf_name: str, where: str) -> None:
 
 
 def _to_specc(t: torch.Tensor, mapping: Mapping, transpose: bool, rotary: bool, permute=None) -> torch.Tensor:
-    if transpose:
-        t = t.t()
+    if transpose:  # the last two dims: [in, out] matrices, or stacked experts [E, in, out] (Llama 4's)
+        t = t.transpose(-2, -1)
     if permute is not None:
         t = _grouped_to_sections(t, *permute)
     if rotary and mapping.rotary_layout == "interleaved":
@@ -141,7 +142,7 @@ def _to_hf(t: torch.Tensor, mapping: Mapping, transpose: bool, rotary: bool, per
     if permute is not None:
         t = _sections_to_grouped(t, *permute)
     if transpose:
-        t = t.t()
+        t = t.transpose(-2, -1)
     return t.contiguous().clone()  # its own storage: safetensors refuses tensors that share memory
 
 
@@ -510,7 +511,7 @@ def import_hf(hf_dir: str, spec_path: str, out: str, overrides: dict | None = No
                 used.add(hf_name)
                 tensor = source.get(hf_name)
                 if entry.permute is not None:
-                    _check_permute(tensor.t() if entry.transpose else tensor, entry, hf_name, hf_dir)
+                    _check_permute(tensor.transpose(-2, -1) if entry.transpose else tensor, entry, hf_name, hf_dir)
                 pieces.append(_to_specc(tensor, mapping, entry.transpose, entry.rotary[k], entry.permute))
             if entry.fused:
                 dim, sizes = _segments(name, meta, entry, len(pieces))
