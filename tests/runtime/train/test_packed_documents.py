@@ -108,9 +108,10 @@ def test_a_packed_sample_gives_each_documents_own_losses(name):
     assert not torch.allclose(unpacked(tokens, labels), got, rtol=1e-3)
 
 
-LAYOUTS = [  # (spec, settings at 2 ranks): positions learned (gpt) and rotary (llama) on every axis
-    ("gpt", dict(tp=2, sp=True)), ("gpt", dict(cp=2, cp_comm_type="p2p")),
+LAYOUTS = [  # (spec, settings at 2 ranks): rotary (llama) on every axis, learned positions (gpt, replicated
+    # under TP) on CP's load-balanced chunks
     ("llama", dict(tp=2, sp=True)), ("llama", dict(cp=2, cp_comm_type="all_gather")), ("llama", dict(pp=2)),
+    ("gpt", dict(cp=2, cp_comm_type="p2p")),
 ]
 
 
