@@ -64,8 +64,8 @@ BY_ARCHITECTURE = {
     "GPTNeoXForCausalLM": {"is_decoder": "unread by transformers' GPT-NeoX, which is always causal"},
     "MptForCausalLM": {
         "max_seq_len": "bounds the ALiBi bias table transformers slices: no other math",
-        "learned_pos_emb": "transformers' MPT builds no position table with ALiBi (a transformer.wpe tensor is "
-                           "refused on import: not in the mapping)",
+        "learned_pos_emb": "transformers' MPT builds no position table, whatever it says (a transformer.wpe tensor "
+                           "is refused on import: not in the mapping)",
         "norm_type": "transformers' MPT runs a plain LayerNorm whatever it names",
     },
     "DeepseekV3ForCausalLM": {
