@@ -26,10 +26,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from specc.compiler import load_and_compile  # noqa: E402
 from specc.errors import Loc  # noqa: E402
 from specc.frontend.model import Settings  # noqa: E402
+from specc.plan import build_plan  # noqa: E402
 from specc.plan.machine import load_machine  # noqa: E402
 from specc.plan.search import Fixed, layout_text, search  # noqa: E402
+from specc.plan.time import Job, predict  # noqa: E402
 
 SPEC = os.path.join(ROOT, "specs", "gpt.yaml")
 TABLE1 = os.path.join(ROOT, "..", "shared", "data", "megatron_table1.csv")
@@ -39,6 +42,9 @@ MICRO_BATCH = {"1.7": 16, "3.6": 16, "7.5": 16, "18.4": 8, "39.1": 4, "76.1": 2,
 VIRTUAL_STAGE_LAYERS = {"76.1": 5, "145.6": 5, "310.1": 3, "529.6": 1}
 PAPERS_SPACE = Fixed(sp=False, cp=1, recompute="full", distributed_optimizer=False)
 WITHIN = 0.05
+SHORT_PART = {"memory_bound": "memory-bound", "tp_comm": "TP all-reduce", "pp_comm": "PP sends",
+              "pipeline_bubble": "bubble", "dp_grad_reduce": "DP reduction", "compute": "GEMMs",
+              "tied_embedding_sync": "tied embedding", "optimizer": "optimizer"}
 
 
 def rows() -> list:
@@ -70,7 +76,9 @@ def one_row(row, machine) -> dict:
     if found:
         i, pred = found
         out.update(rank=i + 1, paper_s=pred["step_time_s"], paper_tflops=pred["tflops_per_gpu_with_recompute"],
-                   gap=pred["step_time_s"] / best_pred["step_time_s"] - 1)
+                   gap=pred["step_time_s"] / best_pred["step_time_s"] - 1,
+                   extra={k: pred["breakdown_s"].get(k, 0.0) - best_pred["breakdown_s"].get(k, 0.0)
+                          for k in set(pred["breakdown_s"]) | set(best_pred["breakdown_s"])})
     return out
 
 
@@ -81,19 +89,52 @@ def paper_text(p: dict) -> str:
 
 def table(results: list) -> str:
     lines = ["| model | GPUs | batch | paper's layout | predicted s (TFLOP/s) | rank of fitting | search's best | "
-             "predicted s (TFLOP/s) | paper's vs best |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "predicted s (TFLOP/s) | paper's vs best | where the paper's layout spends more, s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         best = layout_text({**r["best"], "sp": False, "recompute": "none"})
         if r["rank"] is None:
             paper_cols = "not among the fitting layouts | -"
-            gap = "-"
+            gap, extra = "-", "-"
         else:
             paper_cols = f"{r['paper_s']:.2f} ({r['paper_tflops']:.1f}) | {r['rank']} of {r['fit']}"
             gap = f"{100 * r['gap']:+.1f}%" + (" yes" if r["gap"] <= WITHIN else "")
+            parts = sorted(((v, k) for k, v in r["extra"].items() if v > 0.005 * r["best_s"]), reverse=True)
+            extra = ", ".join(f"{SHORT_PART.get(k, k)} {v:+.2f}" for v, k in parts[:3]) or "-"
         lines.append(f"| {r['size']}B | {r['gpus']} | {r['batch']} | {paper_text(r['paper'])} | {paper_cols} | "
-                     f"{best} | {r['best_s']:.2f} ({r['best_tflops']:.1f}) | {gap} |")
+                     f"{best} | {r['best_s']:.2f} ({r['best_tflops']:.1f}) | {gap} | {extra} |")
     return "\n".join(lines)
+
+
+# The paper's Section 5.4 compares layouts on 64 GPUs (examples/sc21/run_figure_13/14/15.sh: micro-batch
+# 1, full recompute): (hidden, heads, layers, what varies, global batches, the paper's finding)
+FIGURES = [
+    ("Figure 13", (20480, 128, 32), [(8, 8), (4, 16), (2, 32)], (32, 128),
+     "TP x PP = 64: the highest throughput at TP 8 (a node), PP 8"),
+    ("Figure 14", (3840, 32, 32), [(1, 2), (1, 4), (1, 8), (1, 16), (1, 32)], (32, 512),
+     "TP 1, PP x DP = 64: throughput falls as PP grows"),
+    ("Figure 15", (3840, 32, 32), [(2, 1), (4, 1), (8, 1)], (32, 128, 512),
+     "PP 1, TP x DP = 64: throughput falls as TP grows"),
+]
+
+
+def figures(machine) -> list:
+    """The model's TFLOP/s per GPU on the layouts of the paper's Figures 13-15, beside what the
+    paper measured: a check of the trade-offs the search weighs (TP against PP and DP)."""
+    lines = []
+    for name, (h, heads, layers), layouts, batches, finding in FIGURES:
+        for batch in batches:
+            got = []
+            for tp, pp in layouts:
+                settings = Settings(tp=tp, pp=pp, micro_batch_size=1, dtype="fp16",
+                                    pp_first_stage_layers=layers // pp if pp > 1 else None,
+                                    recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                row = {"hidden": h, "layers": layers, "heads": heads}
+                spec, graph = load_and_compile(SPEC, settings, overrides(row), plan_only=True)
+                pred = predict(build_plan(graph), 2048, machine, Job(64, batch))
+                got.append(f"tp {tp} pp {pp}: {pred['tflops_per_gpu_with_recompute']:.1f}")
+            lines.append(f"| {name} | {batch} | {'; '.join(got)} | {finding} |")
+    return ["| figure | batch | predicted TFLOP/s per GPU | the paper's measurement |", "|---|---|---|---|"] + lines
 
 
 def main(argv=None) -> int:
@@ -120,7 +161,8 @@ def main(argv=None) -> int:
     summary = (f"the paper's layout is the search's best or within {100 * WITHIN:.0f}% of it on {met} of "
                f"{len(results)} rows (target: at least 8 of 10); {time.process_time() - start:.0f} s CPU")
     text = table(results)
-    print(text + "\n\n" + summary)
+    figs = "\n".join(figures(machine)) if not want else ""
+    print(text + "\n\n" + summary + ("\n\n" + figs if figs else ""))
     if args.write_doc:
         from benchdoc import replace_section
 
@@ -130,7 +172,9 @@ def main(argv=None) -> int:
             "GPU count and global batch, over the paper's space (TP within a node, PP, virtual stages, "
             "micro-batch 1-16, DP; fp16, full recompute, no SP, CP or distributed optimizer, as every Table 1 run); "
             "the paper's layout located among the ranked layouts that fit. docs/planning.md discusses it.", "",
-            text, "", summary + ".", ""]))
+            text, "", summary + ".", "", "The trade-offs against the paper's own layout comparisons (Section 5.4, "
+            "64 GPUs, micro-batch 1, full recompute; the same model, specs/gpt.yaml at each figure's sizes):", "",
+            figs, ""]))
     return 0
 
 
