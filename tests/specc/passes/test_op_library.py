@@ -177,3 +177,16 @@ modules:
     assert not [b for b in boundaries(g) if b.attrs["src"] == SH]
     with pytest.raises(SpecError, match="softcap cap=0.0 must be above 0"):
         _variant(tmp_path, "llama-tiny.yaml", "modules: {MLP: {submodules: {activation: {op: softcap, cap: 0.0}}}}")
+
+
+def test_clamp_runs_on_the_head_sharded_fused_qkv_and_refuses_a_bound_of_0(tmp_path):
+    """MPT's clip_qkv: the clamp takes the column-parallel QKV's S(h) shards as they come (no
+    boundary around it, the split after it cuts them by segments) and emits runtime.clamp; its
+    bound must be above 0 (a located error)."""
+    _, g = load_and_compile(spec_path("mpt-tiny.yaml"), Settings(tp=4, sp=True), lint=True)
+    clamp = _op(g, "layers.0.self_attention.clip_qkv")
+    assert clamp.in_layouts[0]["tp"] == SH and clamp.out_layouts[0]["tp"] == SH
+    assert not [b for b in boundaries(g, "layers.0.self_attention") if b.attrs["src"] == SH]
+    assert "runtime.clamp(linear_qkv_out, 0.5)" in emit_model(g, "specc compile")
+    with pytest.raises(SpecError, match="clamp bound=0.0 must be above 0"):
+        _variant(tmp_path, "mpt-tiny.yaml", "config: {clip_qkv: 0.0}")
