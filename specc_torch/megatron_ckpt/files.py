@@ -20,6 +20,7 @@ other global becomes an inert `Unpickled` record that runs no code.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pickle
@@ -336,6 +337,15 @@ def read_legacy(path: str) -> tuple[dict, bool]:
     files = _legacy_files(path)
     if any(ep for _tp, _pp, ep in files):
         raise MegatronError(f"{path}: expert-parallel legacy checkpoints (mp_rank_TT_PPP_EEE) are not read")
+    loaded = {}
+    if files:  # EP without PP names its folders mp_rank_TT_EEE, as PP does: the saved args tell them apart
+        first = min(files)
+        loaded[first] = safe_torch_load(files[first])
+        args = loaded[first].get("args") if isinstance(loaded[first], dict) else None
+        ep = getattr(args, "expert_model_parallel_size", None) if isinstance(args, argparse.Namespace) else None
+        if isinstance(ep, int) and ep > 1:
+            raise MegatronError(f"{path}: expert-parallel legacy checkpoints (saved with --expert-model-parallel-size "
+                                f"{ep}: mp_rank_TT[_PPP]_EEE) are not read")
     tps = sorted({tp for tp, _pp, _ep in files})
     pps = sorted({pp for _tp, pp, _ep in files})
     missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if len(pps) > 1 else "") for t in tps for p in pps
@@ -345,7 +355,7 @@ def read_legacy(path: str) -> tuple[dict, bool]:
     shards, optimizer = {}, False
     for pp in pps:
         for tp in tps:
-            state = safe_torch_load(files[(tp, pp, 0)])
+            state = loaded.pop((tp, pp, 0), None) or safe_torch_load(files[(tp, pp, 0)])
             if not isinstance(state, dict):
                 raise MegatronError(f"{files[(tp, pp, 0)]}: not a Megatron checkpoint (no dict inside)")
             optimizer = optimizer or bool(state.get("optimizer"))

@@ -253,11 +253,23 @@ def test_moe_export_then_import_is_bit_exact(tmp_path):
 
 
 def test_expert_parallel_legacy_files_are_refused_in_one_line(tmp_path):
+    """EP with PP names a rank's folder mp_rank_TT_PPP_EEE; EP without PP mp_rank_TT_EEE, as PP
+    alone does (Megatron's get_checkpoint_name), which the saved args tell apart."""
+    import argparse
+
     rank = tmp_path / "iter_0000001" / "mp_rank_00_000_001"
     rank.mkdir(parents=True)
     torch.save({"model": {}}, rank / "model_optim_rng.pt")
     line = _error(str(tmp_path / "iter_0000001"), *LAYOUTS["mixtral"])
     assert line == f"{tmp_path / 'iter_0000001'}: expert-parallel legacy checkpoints (mp_rank_TT_PPP_EEE) are not read"
+    for ep in (0, 1):  # TP=1, EP=2: what Megatron 0.19.2 wrote at TP=2 x EP=2 with expert TP 1, as folders go
+        rank = tmp_path / "iter_0000002" / f"mp_rank_00_{ep:03d}"
+        rank.mkdir(parents=True)
+        args = argparse.Namespace(expert_model_parallel_size=2, pipeline_model_parallel_size=1)
+        torch.save({"args": args, "model": {}}, rank / "model_optim_rng.pt")
+    line = _error(str(tmp_path / "iter_0000002"), *LAYOUTS["mixtral"])
+    assert line == (f"{tmp_path / 'iter_0000002'}: expert-parallel legacy checkpoints (saved with "
+                    "--expert-model-parallel-size 2: mp_rank_TT[_PPP]_EEE) are not read")
 
 
 def _save_and_convert(rank, world, save_dir):
