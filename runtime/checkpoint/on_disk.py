@@ -251,8 +251,9 @@ def latest_step(directory: str) -> int | None:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
     text = raw.decode("utf-8", errors="replace").strip()
-    if not re.fullmatch(r"[0-9]+", text):
-        raise CheckpointError(f"{path}: expected a step number, found {ascii(text[:40])}")
+    if not re.fullmatch(r"[0-9]{1,18}", text):  # (no run takes 10^18 steps: a longer one is not a step)
+        raise CheckpointError(f"{path}: expected a step number, found {ascii(text[:40])}"
+                              + ("..." if len(text) > 40 else ""))
     return int(text)
 
 

@@ -196,6 +196,9 @@ def test_latest_that_is_a_directory_or_binary(saved):
     with open(latest, "w") as f:
         f.write("\u00b2\n")  # a digit to str.isdigit, not to int()
     assert _fails(directory) == f"{latest}: expected a step number, found '\\xb2'"
+    with open(latest, "w") as f:
+        f.write("9" * 5000 + "\n")  # no step: the error line quotes 40 digits, not a 5000-digit directory name
+    assert _fails(directory) == f"{latest}: expected a step number, found '{'9' * 40}'..."
     os.remove(latest)
     os.makedirs(latest)
     assert _fails(directory) == f"{latest}: is a directory, not the file naming the latest step"
