@@ -830,6 +830,10 @@ def run(cfg: TrainConfig, stream=None) -> int:
             state.consumed_samples = int(out["data_state"]["consumed_samples"])
             reporter.info(f"loaded checkpoint {out['path']} at iteration {state.iteration}"
                           + (f" (saved at {out['saved_layout']}, resharded)" if out["resharded"] else ""))
+        if load and not weights_only and out["resharded"] and read_info(out["path"]).get("rng"):
+            reporter.info("note: the checkpoint's RNG states are not restored at another layout (each rank's belong "
+                          "to a rank of the layout that saved, as Megatron's 'RNG state will be ignored'): dropout "
+                          "draws from streams seeded afresh, so this run does not continue the saved one bit for bit")
         if load and not weights_only:  # the schedule's iteration is the checkpoint's step (checkpoints before
             scheduled = (out["scheduler_state"] or {}).get("iteration")  # the step was in the data: the only check)
             if scheduled is not None and scheduled != state.iteration:

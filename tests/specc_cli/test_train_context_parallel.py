@@ -47,6 +47,7 @@ def test_tp2_cp2_trains_and_its_checkpoint_loads_at_tp1_cp1_with_the_same_valida
     assert code == 0, out + err
     (line,) = [ln for ln in out.splitlines() if ln.startswith(f"loaded checkpoint {ckpt / 'step_0000003'} at iteration 3")]
     assert "'cp': 2" in line and line.endswith(", resharded)")
+    assert "note: the checkpoint's RNG states are not restored at another layout" in out  # said, not silent
     (loaded,) = _records(tmp_path / "one", "eval")
     assert loaded["iteration"] == saved["iteration"] == 3
     # The same weights, per-token losses summed in another order (TP shards, CP chunks): a few
