@@ -13,6 +13,7 @@ from specc_cli.args import (
     MEGATRON_CONFIG_FLAGS,
     ArgumentParser,
     UsageError,
+    add_settings_flags,
     overrides_from,
     recompute_flags,
     recompute_from,
@@ -158,6 +159,9 @@ def cmd_compile(args) -> int:
     return 0
 
 
+PACKED = ("reset_position_ids", "reset_attention_mask")  # Megatron's packed-document settings verify takes
+
+
 def cmd_verify(args) -> int:
     for flag, value, least in (("--steps", args.steps, 1), ("--batch", args.batch, 1)):
         if value < least:
@@ -176,6 +180,7 @@ def cmd_verify(args) -> int:
     located = overrides_from(args)
     overrides = {key: value for key, value, _ in located}
     recompute = recompute_from(args)
+    packed = {name: getattr(args, name) for name in PACKED}  # every model takes the same packed documents
     from specc.compiler import load_and_compile
     from specc.settings import Settings
 
@@ -187,12 +192,12 @@ def cmd_verify(args) -> int:
             for ep in eps:
                 for sp in sps if tp > 1 else [False]:
                     load_and_compile(args.spec, Settings(tp=tp, sp=sp, cp=cp, micro_batch_size=args.batch,
-                                                         dtype="fp32", ep=ep, **recompute), located)
+                                                         dtype="fp32", ep=ep, **recompute, **packed), located)
             for sp in sps if tp > 1 else [False]:
                 for pp in [x for x in pps if x > 1]:
                     for v in virtual:
                         load_and_compile(args.spec, Settings(tp=tp, sp=sp, cp=cp, pp=pp, pp_virtual_stage_layers=v,
-                                                             dtype="fp32"), located)
+                                                             dtype="fp32", **packed), located)
     if max(pps) > 1:  # every pipeline setting runs on all the ranks: the smallest ones over the most DP ranks
         import math
 
@@ -219,7 +224,7 @@ def cmd_verify(args) -> int:
                        batch=args.batch, overrides=overrides, tolerance=args.tolerance, mutate=args.mutate,
                        tp_invariant_dropout=args.tp_invariant_dropout, cps=sorted(set([1] + cps)), cp_comm_types=comms,
                        torch_compile=args.torch_compile_backend if args.torch_compile else None,
-                       eps=sorted(set([1] + eps)), recompute=recompute,
+                       eps=sorted(set([1] + eps)), recompute=recompute, packed=packed,
                        pps=sorted(set(pps)), pp_virtual=virtual, dps=sorted(set(dps)), pp_schedule=args.pp_schedule)
     cp_text = f", cp {','.join(map(str, cfg.cps))} ({args.cp_comm_mode})" if max(cfg.cps) > 1 else ""
     cp_text += f", ep {','.join(map(str, cfg.eps))}" if max(cfg.eps) > 1 else ""
@@ -229,7 +234,8 @@ def cmd_verify(args) -> int:
     print(f"specc verify {args.spec}: tp {','.join(map(str, cfg.tps))}{cp_text}, sp {args.sp_mode}, {cfg.steps} steps, "
           f"batch {cfg.batch}, seed {cfg.seed}" + (f", MUTATION {cfg.mutate}" if cfg.mutate else "") +
           (f", torch.compile ({cfg.torch_compile}) against the eager reference" if cfg.torch_compile else "")
-          + (", recompute " + " ".join(str(v) for v in recompute.values() if v is not None) if recompute else ""),
+          + (", recompute " + " ".join(str(v) for v in recompute.values() if v is not None) if recompute else "")
+          + "".join(f", {name}" for name, on in packed.items() if on),
           flush=True)
     try:
         rows = verify(cfg)
@@ -365,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     for key, flag in MEGATRON_CONFIG_FLAGS.items():
         c.add_argument(flag, dest=f"cfg_{key}", type=int, default=None, help=argparse.SUPPRESS)
     recompute_flags(c)  # the compiled models recompute; the TP=1 reference does not
+    add_settings_flags(c.add_argument_group("packed documents (every model, the TP=1 reference too)"), PACKED)
     c.set_defaults(func=cmd_verify)
 
     c = sub.add_parser("check", help="fail with a diff when generated/ is stale")

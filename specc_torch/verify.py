@@ -192,7 +192,8 @@ WEIGHTS = (("", False), ("random weights: ", True))
 
 
 def _verify_all(rank: int, cfg: VerifyConfig) -> list:
-    src, spec, graph = api.compile_source(cfg.spec, Settings(micro_batch_size=cfg.batch, dtype="fp32"), cfg.overrides)
+    src, spec, graph = api.compile_source(cfg.spec, Settings(micro_batch_size=cfg.batch, dtype="fp32", **cfg.packed),
+                                          cfg.overrides)
     inputs = _model_inputs(spec, graph)
     path, layout = _logits_module(graph)
     single = ProcessGroups.single()
@@ -228,7 +229,7 @@ def _verify_all(rank: int, cfg: VerifyConfig) -> list:
         try:
             text, spec_t, graph_t = api.compile_source(cfg.spec, Settings(
                 tp=tp, sp=sp, cp=cp, cp_comm_type=comm, ep=ep, micro_batch_size=cfg.batch, dtype="fp32",
-                **cfg.recompute), cfg.overrides)
+                **cfg.recompute, **cfg.packed), cfg.overrides)
             if cfg.mutate and tp * cp * ep > 1:
                 text, applied = mutate_source(text, cfg.mutate)
                 if not applied:
@@ -304,7 +305,7 @@ def _verify_pipeline(cfg: VerifyConfig, reference, spec, inputs, build) -> list:
         pg = ProcessGroups.initialize(tp=tp, cp=cp, pp=pp, dp=dp)
         try:
             text, spec_t, _ = api.compile_source(cfg.spec, Settings(
-                tp=tp, sp=sp, cp=cp, pp=pp, pp_virtual_stage_layers=virtual, dtype="fp32"), cfg.overrides)
+                tp=tp, sp=sp, cp=cp, pp=pp, pp_virtual_stage_layers=virtual, dtype="fp32", **cfg.packed), cfg.overrides)
             for prefix, randomized in WEIGHTS:
                 model = build(text, spec_t.name, pg, randomized)
                 got = _run_pipeline(model, pg, cfg, names, inputs)

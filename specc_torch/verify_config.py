@@ -40,6 +40,9 @@ class VerifyConfig:
     # activation recompute of the compiled models (Settings' recompute fields); the reference never
     # recomputes, so a pass shows recompute changes nothing
     recompute: dict = field(default_factory=dict)
+    # Settings' reset_position_ids and reset_attention_mask, of every model (the reference too): the
+    # models take position and document ids, drawn as the spec's other inputs are
+    packed: dict = field(default_factory=dict)
 
     pps: list = field(default_factory=lambda: [1])  # pipeline sizes (each with every TP/CP setting)
     pp_virtual: list = field(default_factory=lambda: [None])  # layers per virtual stage (None: not interleaved)

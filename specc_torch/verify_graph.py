@@ -77,6 +77,8 @@ def _index_bounds(graph, value_id: str) -> list:
             bounds.append(op.attrs["num_embeddings"])
         elif op.kind == "cross_entropy" and op.inputs[1] == v:
             bounds.append(graph.values[op.inputs[0]].shape[-1])
+        elif op.kind == "position_embedding" and op.inputs[1:] == [v]:  # position ids: rows from the offset
+            bounds.append(op.attrs["num_embeddings"] - op.attrs["offset"])
     return bounds
 
 
