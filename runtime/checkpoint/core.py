@@ -160,6 +160,15 @@ def _some(items, n: int = 3) -> str:
     return ", ".join(items[:n]) + (f", ... ({len(items) - n} more)" if len(items) > n else "")
 
 
+def _saved_names(path: str) -> set:
+    """The top-level names the checkpoint's data holds (its .metadata's), empty where unreadable
+    (reading the data then fails with its own line)."""
+    try:
+        return set(dcp.read_metadata(path).state_dict_metadata)
+    except Exception:  # noqa: BLE001
+        return set()
+
+
 def load_checkpoint(directory: str, model: torch.nn.Module, pg: ProcessGroups | None = None, *,
                     step: int | None = None, optimizer_state=None, rng_tracker=None,
                     spec_sha256: str | None = None, spec_name: str | None = None,
@@ -210,7 +219,9 @@ def load_checkpoint(directory: str, model: torch.nn.Module, pg: ProcessGroups | 
     world.agree(error)
 
     objects = {"replicated": None}
-    if same_layout and info.get("rng", True):
+    # this rank's own entry (its RNG states): read whenever the data holds it, so that a checkpoint.json
+    # edited to say it has none is caught below rather than silently resuming from fresh streams
+    if same_layout and (info.get("rng", True) or f"rank/{world.rank:05d}" in _saved_names(path)):
         objects[f"rank/{world.rank:05d}"] = None
     try:
         dcp.load(path, objects)
@@ -226,6 +237,9 @@ def load_checkpoint(directory: str, model: torch.nn.Module, pg: ProcessGroups | 
     if saved_step is not None and saved_step != info["step"]:
         error = (f"{path}: the saved data is of step {saved_step}, but {INFO} says step {info['step']} "
                  f"(an edited {INFO}?)")
+    if "rng" in local and not info.get("rng", True):
+        error = error or (f"{path}: the saved data holds this rank's RNG states, but {INFO} says it has none (an "
+                          f"edited {INFO}?)")
     saved_opt_repl = (replicated.get("optimizer") or {})
     saved_opt_local = (local.get("optimizer") or {})
     for p in opt_repl_paths:

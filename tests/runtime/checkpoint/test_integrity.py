@@ -85,6 +85,22 @@ def test_a_hand_edited_step_is_refused(saved):
                                    f"directory's name); an edited or misplaced checkpoint.json?")
 
 
+def test_rng_states_hidden_by_a_hand_edited_flag_are_refused(saved):
+    """checkpoint.json edited to say it holds no RNG states: the load read none and went on from
+    streams seeded afresh, not the run it continues, without a word (--no-load-rng, which loading
+    does not implement, by hand). The weights alone (read_tensors) still read."""
+    directory, step_dir, model = saved
+    _edit_info(step_dir, lambda info: info.update(rng=False))
+    other = specc_torch.build_model(GPT, seed=2)
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(directory, other)
+    assert str(e.value) == (f"{step_dir}: the saved data holds this rank's RNG states, but checkpoint.json says it "
+                            f"has none (an edited checkpoint.json?)")
+    assert all(torch.equal(a, p) for a, p in zip(before, other.parameters()))
+    assert read_tensors(directory).keys() == dict(model.named_parameters()).keys()
+
+
 def test_a_checkpoint_renamed_to_another_step_everywhere_but_in_its_data_is_refused(saved, tmp_path):
     """The directory, `latest` and checkpoint.json all say 9: the saved data still says 7."""
     directory, step_dir, _ = saved
