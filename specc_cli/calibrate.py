@@ -21,7 +21,9 @@ same time, so ranks sharing cores measure the share they get:
 * point-to-point sends by size, each rank sending to the next and receiving from the one before
   at once through runtime.comm.send_recv (the pipeline's and the CP ring's exchange): fitted to
   t = latency + bytes / bandwidth, the profile's `point_to_point` link (gloo's sends do not take
-  the shared memory its collectives use);
+  the shared memory its collectives use); and the all-to-all over the N ranks by size
+  (runtime.comm.all_to_all, EP's) to the ring form's (N-1) latency + (N-1)/N bytes / bandwidth,
+  the profile's `all_to_all` link (gloo's own too);
 * the framework's cost per op call: forward and backward of chains of k tiny runtime.LayerNorm
   calls (a few elements each, so the kernels cost next to nothing), fitted to t = a + k c; half
   of c is `op_overhead`, the seconds an op call costs each way beyond its kernels.
@@ -47,6 +49,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 ELEMENTWISE = (1 << 18, 1 << 20)  # elements: activation-sized tensors of small models
 ALL_REDUCE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 SEND_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+ALL_TO_ALL_BYTES = SEND_BYTES
 OP_CHAINS = (8, 32, 64)  # op calls per chain
 
 
@@ -118,7 +121,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
         memory.append(((2 * 4 + 1) * n, _timed(lambda: fn.dropout(x, 0.1, True), reps)))
         memory.append((2 * 4 * n, _timed(lambda: torch.softmax(rows, -1), reps)))
         memory.append((2 * 4 * n, _timed(lambda: fn.layer_norm(rows, (256,)), reps)))
-    collectives, sends = [], []
+    collectives, sends, all_to_all = [], [], []
     if world > 1:
         for nbytes in ALL_REDUCE_BYTES:
             t = torch.ones(nbytes // 4)
@@ -132,6 +135,9 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
                     work.wait()
 
             sends.append((nbytes, _timed(exchange, reps)))
+        for nbytes in ALL_TO_ALL_BYTES:
+            src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+            all_to_all.append((nbytes, _timed(lambda: comm.all_to_all(dst, src, pg.dp), reps)))
     overhead = []
     for k in OP_CHAINS:
         norms = [LayerNorm(16) for _ in range(k)]
@@ -151,7 +157,8 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
     except (OSError, ValueError):
         pass
     if rank == 0:
-        out.update(gemm=gemm, memory=memory, collectives=collectives, sends=sends, overhead=overhead, rss=rss,
+        out.update(gemm=gemm, memory=memory, collectives=collectives, sends=sends, all_to_all=all_to_all,
+                   overhead=overhead, rss=rss,
                    transport=pg.transport_summary(), threads=torch.get_num_threads())
     dist.barrier()
     pg.destroy() if hasattr(pg, "destroy") else None
@@ -195,6 +202,18 @@ def measure(ranks: int, quick: bool = False) -> dict:
     return got
 
 
+def _link(points: list, steps: int, share: float) -> tuple:
+    """(latency per step, bandwidth) of t = steps latency + share bytes / bandwidth fitted to
+    (bytes, seconds) points. When the fitted slope is not positive (time that does not grow with
+    the bytes: noise swamped the transfer), the bandwidth is the largest point's bytes over its
+    time, the most it can cost, and the latency the smallest point's time."""
+    a, b = _fit([x for x, _ in points], [t for _, t in points])
+    if b <= 0:
+        big, small = max(points), min(points)
+        return max(small[1], 1e-7) / steps, share * big[0] / big[1]
+    return max(a, 1e-7) / steps, share / b
+
+
 def profile_yaml(m: dict, ranks: int, name: str) -> str:
     """The profile of measurements `m`, every number with where it came from."""
     fits = {d: _fit([f for f, _ in pts], [t for _, t in pts]) for d, pts in m["gemm"].items()}
@@ -203,16 +222,12 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
     half = max(0.0, a32 / b32)
     bandwidth = statistics.median(nbytes / t for nbytes, t in m["memory"])
     if m["collectives"]:
-        a, b = _fit([x for x, _ in m["collectives"]], [t for _, t in m["collectives"]])
-        steps, share = 2 * (ranks - 1), 2 * (ranks - 1) / ranks
-        latency, link_bw = max(a, 1e-7) / steps, share / b
+        latency, link_bw = _link(m["collectives"], 2 * (ranks - 1), 2 * (ranks - 1) / ranks)
     else:
         latency, link_bw = 1e-6, bandwidth
-    if m["sends"]:
-        a, b = _fit([x for x, _ in m["sends"]], [t for _, t in m["sends"]])
-        p2p_latency, p2p_bw = max(a, 1e-7), 1.0 / b
-    else:
-        p2p_latency, p2p_bw = latency, link_bw
+    p2p_latency, p2p_bw = _link(m["sends"], 1, 1.0) if m["sends"] else (latency, link_bw)
+    a2a_latency, a2a_bw = _link(m["all_to_all"], ranks - 1, (ranks - 1) / ranks) if m["all_to_all"] else \
+        (latency, link_bw)
     op_overhead = max(0.0, _fit([k for k, _ in m["overhead"]], [t for _, t in m["overhead"]])[1] / 2)
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -253,6 +268,11 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
         f"  bandwidth: {p2p_bw:.4e}              # t = latency + bytes / bandwidth fitted by size: "
         + ("  ".join(f"{n}B:{t * 1e3:.3f}ms" for n, t in m["sends"]) or "one rank: the link's"),
         f"  latency: {p2p_latency:.4e}",
+        "all_to_all:                         # runtime.comm.all_to_all over the ranks (gloo's own)",
+        "  name: gloo all-to-all",
+        f"  bandwidth: {a2a_bw:.4e}              # (N-1) latency + (N-1)/N bytes / bandwidth fitted by size: "
+        + ("  ".join(f"{n}B:{t * 1e3:.3f}ms" for n, t in m["all_to_all"]) or "one rank: the link's"),
+        f"  latency: {a2a_latency:.4e}",
         "efficiency:                         # the peaks above are measured rates: nothing fitted on top",
         "  gemm: 1.0",
         f"  gemm_half_flops: {half:.4e}         # fp32's fixed cost per GEMM, in FLOPs",

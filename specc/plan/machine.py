@@ -7,9 +7,9 @@ how much of each peak real kernels reach (`efficiency`); and a memory allowance 
 Two optional keys describe a host whose framework, not its kernels, sets the pace of small ops
 (what `specc calibrate` measures on a CPU): `efficiency.op_overhead`, seconds each op call costs
 beyond its kernels' bytes and FLOPs (dispatch, autograd, allocation; 0 when absent), and
-`point_to_point`, a link that point-to-point sends inside a node take instead of `intra_node`
-(gloo's sends, which do not go through the shared memory its collectives use; absent: sends
-take the node's link). `--machine` takes a shipped profile's name or a profile file's path."""
+`point_to_point` and `all_to_all`, links that point-to-point sends and all-to-alls inside a
+node take instead of `intra_node` (gloo carries both itself, not through the shared memory the
+runtime's other CPU collectives use; absent: they take the node's link). `--machine` takes a shipped profile's name or a profile file's path."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ class Machine:
     source: str  # the profile's name or path, as given
     op_overhead: float = 0.0  # seconds per op call, forward and backward each (0: none modelled)
     point_to_point: Link | None = None  # the link of sends inside a node, when not intra_node's
+    all_to_all: Link | None = None  # the link of all-to-alls inside a node, when not intra_node's
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops[dtype]
@@ -134,8 +135,8 @@ def _machine(doc, path: str, source: str) -> Machine:
             number(peaks, need)  # the located "needs" error
     eff = mapping(doc, "efficiency")
     links = {}
-    for key in ("intra_node", "inter_node", "point_to_point"):
-        if key == "point_to_point" and key not in doc:
+    for key in ("intra_node", "inter_node", "point_to_point", "all_to_all"):
+        if key in ("point_to_point", "all_to_all") and key not in doc:
             continue
         m = mapping(doc, key)
         links[key] = Link(text(m, "name", key), number(m, "bandwidth"), number(m, "latency", least=-1e-300))
@@ -149,4 +150,4 @@ def _machine(doc, path: str, source: str) -> Machine:
         memory_efficiency=number(eff, "memory", most=1.0), link_efficiency=number(eff, "link", most=1.0),
         framework_memory_bytes=number(doc, "framework_memory_bytes", least=-1e-300), source=source,
         op_overhead=number(eff, "op_overhead", least=-1e-300) if "op_overhead" in eff else 0.0,
-        point_to_point=links.get("point_to_point"))
+        point_to_point=links.get("point_to_point"), all_to_all=links.get("all_to_all"))

@@ -7,7 +7,16 @@ import pytest
 
 from specc.plan.machine import load_machine
 from specc.plan.time import collective_time, gemm_time
-from specc_cli.calibrate import ALL_REDUCE_BYTES, DTYPES, ELEMENTWISE, GEMM_SIZES, OP_CHAINS, SEND_BYTES, profile_yaml
+from specc_cli.calibrate import (
+    ALL_REDUCE_BYTES,
+    ALL_TO_ALL_BYTES,
+    DTYPES,
+    ELEMENTWISE,
+    GEMM_SIZES,
+    OP_CHAINS,
+    SEND_BYTES,
+    profile_yaml,
+)
 
 
 def test_profile_recovers_the_constants(tmp_path):
@@ -19,6 +28,7 @@ def test_profile_recovers_the_constants(tmp_path):
         "memory": [(k * n, k * n / bandwidth) for n in ELEMENTWISE for k in (12, 8, 9, 8, 8)],
         "collectives": [(b, 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * b / link) for b in ALL_REDUCE_BYTES],
         "sends": [(b, p2p_latency + b / p2p_link) for b in SEND_BYTES],
+        "all_to_all": [(b, (ranks - 1) * p2p_latency + (ranks - 1) / ranks * b / p2p_link) for b in ALL_TO_ALL_BYTES],
         "overhead": [(k, 1e-3 + k * 2 * per_call) for k in OP_CHAINS],  # forward and backward of k calls
         "rss": 4e8, "threads": 1, "transport": "collectives on CPU tensors: through torch.distributed",
     }
@@ -34,8 +44,19 @@ def test_profile_recovers_the_constants(tmp_path):
     assert m.point_to_point.latency == pytest.approx(p2p_latency, rel=1e-3)
     assert m.point_to_point.bandwidth == pytest.approx(p2p_link, rel=1e-3)
     assert m.op_overhead == pytest.approx(per_call, rel=1e-3)
+    assert m.all_to_all.latency == pytest.approx(p2p_latency, rel=1e-3)
+    assert m.all_to_all.bandwidth == pytest.approx(p2p_link, rel=1e-3)
     # and the time model reads them back as measured
     f = 2.0 * 256 ** 3
     assert gemm_time(f, m, "fp32") == pytest.approx((f + half) / rate["fp32"], rel=1e-3)
     assert collective_time("all_reduce", 1 << 20, ranks, m.intra_node, 1.0) == pytest.approx(
         measured["collectives"][2][1], rel=1e-3)
+
+
+def test_a_flat_measurement_gives_a_positive_link():
+    """Times that do not grow with the bytes (noise on a loaded host) still give a usable link: the
+    largest point's rate and the smallest point's time as latency, never a negative bandwidth."""
+    from specc_cli.calibrate import _link
+
+    latency, bandwidth = _link([(4096, 2.4e-3), (1 << 20, 2.0e-3), (1 << 22, 1.5e-3)], 1, 1.0)
+    assert latency == pytest.approx(2.4e-3) and bandwidth == pytest.approx((1 << 22) / 1.5e-3)

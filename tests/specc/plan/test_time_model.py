@@ -166,6 +166,22 @@ def test_point_to_point_link_carries_the_sends_inside_a_node():
                                                if b) for r in range(2)), rel=1e-9)
 
 
+def test_all_to_all_link_carries_eps_all_to_alls_inside_a_node():
+    """With an `all_to_all` link, EP's all-to-alls inside a node take it: the ring form over it,
+    (n-1) latency + (n-1)/n bytes / bandwidth each, none overlapped."""
+    a2a = Link("a2a", 2e9, 3e-4)
+    spec_obj, graph = load_and_compile(os.path.join(ROOT, "specs", "mixtral-tiny.yaml"), Settings(ep=2), [],
+                                       plan_only=True)
+    plan = build_plan(graph)
+    want = sum(e.count * collective_time(kind, b, 2, a2a, A100.link_efficiency)
+               for e in plan.entries for (kind, b), axis in zip(e.forward + e.backward, e.comm_axes[0] + e.comm_axes[1])
+               if axis == "ep")
+    assert want > 0
+    got = predict(plan, spec_obj.inputs[0].shape[1], dataclasses.replace(free_compute(A100), all_to_all=a2a),
+                  Job(2, 2))
+    assert got["breakdown_s"]["ep_comm"] == pytest.approx(want, rel=1e-9)
+
+
 def test_memory_total_is_the_plans():
     plan, seq = plan_of(tp=2, sp=True)
     t = plan.totals
