@@ -27,7 +27,12 @@ I, R, SS, SH, P = "I", "R", "S(s)", "S(h)", "P"  # noqa: E741 (the design's name
 ALL = (I, R, SS, SH, P)
 
 AXES = ("tp", "cp")  # mesh axes, innermost first (runtime.ProcessGroups' rank order)
-AXIS_NAMES = {"tp": "tensor-model-parallel", "cp": "context-parallel"}
+# every parallel group whose size a compiled model fixes, in the order build_model checks them, by
+# the name Megatron's flag and the errors give its size (--NAME-size; the settings table's flags,
+# tests/specc_cli/test_settings_table.py): the mesh axes, then expert and pipeline parallelism
+GROUP_NAMES = {"tp": "tensor-model-parallel", "cp": "context-parallel", "ep": "expert-model-parallel",
+               "pp": "pipeline-model-parallel"}
+AXIS_NAMES = {axis: GROUP_NAMES[axis] for axis in AXES}
 
 
 @dataclass(frozen=True)

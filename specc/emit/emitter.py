@@ -15,7 +15,7 @@ import jinja2
 from .. import __version__
 from ..errors import SpecError
 from ..frontend.load import builtin_names
-from ..layouts import SH, SS, I, P, R
+from ..layouts import AXES, GROUP_NAMES, SH, SS, I, P, R
 from ..ops import OPS
 from ..ops.base import EmitCtx
 from .config_expr import ConfigExprs
@@ -49,13 +49,21 @@ def emit_model(graph, command: str, recipe: dict | None = None) -> str:
     config = emitter.config.literal()
     return _ENV.get_template("model.py.j2").render(
         uses_math=emitter.config.uses_math, config_dict=_dict_literal(config) if config else None,
-        uses_torch="torch." in body, uses_mappings="mappings." in body, checks_ep="pg.ep" in body,
+        uses_torch="torch." in body, uses_mappings="mappings." in body,
+        size_checks=_size_checks(graph, body),
         spec_name=spec.name, description=spec.description or spec.name, version=__version__,
         spec_file=os.path.basename(spec.path), spec_hash=spec.source_hash, command=command,
         settings_line=settings.describe(), classes=classes, root_class=root_class,
         settings_dict=_dict_literal(recipe if recipe is not None else make_recipe(spec.path, settings)),
         pipeline=_pipeline_lines(graph) if graph.pipeline is not None else None,
     )
+
+
+def _size_checks(graph, body: str) -> list:
+    """(group, its name) for each process group build_model checks against SETTINGS: the mesh axes
+    always, expert parallelism where a layer takes pg.ep, pipeline parallelism in a pipelined model."""
+    used = {"ep": "pg.ep" in body, "pp": graph.pipeline is not None}
+    return [(group, name) for group, name in GROUP_NAMES.items() if group in AXES or used.get(group)]
 
 
 def _dict_literal(d: dict) -> str:
@@ -90,8 +98,6 @@ class _Class:
 class _Emitter:
     def __init__(self, graph):
         self.g = graph
-        self.tp = graph.spec.settings.tp
-        self.cp = graph.spec.settings.cp
         self.mesh = graph.mesh
         self.config = ConfigExprs(graph.spec.config, graph.spec.config_exprs, builtin_names(graph.spec.settings))
         self.trailing: dict = {}  # line -> (code, its trailing comment): fit_lines may split them
@@ -301,7 +307,7 @@ class _Emitter:
 
     def _ctx(self, op) -> EmitCtx:
         tied = f"self.{self.g.ops[op.tied_to].attr_name}.weight" if op.tied_to else ""
-        return EmitCtx(tp=self.tp, cp=self.cp, tied_expr=tied, expr_of=lambda name: self.config.attr(op, name),
+        return EmitCtx(**dict(self.mesh.sizes), tied_expr=tied, expr_of=lambda name: self.config.attr(op, name),
                        in_segments=[tuple(self.g.values[v].segments) for v in op.inputs],
                        in_units=[tuple(self.g.values[v].units) for v in op.inputs])
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import Loc, SpecError
+from ..layouts import AXES, GROUP_NAMES
 
 TYPES = ("int", "float", "bool", "str", "int_list", "float_list")
 
@@ -85,8 +86,13 @@ class Ctx:
     in_units: list = field(default_factory=list)  # per input of the op being typed: Value.units
 
     @property
+    def sizes(self) -> dict:
+        """The size of every mesh axis (layouts.AXES)."""
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    @property
     def size(self) -> int:
-        return {"tp": self.tp, "cp": self.cp}[self.axis]
+        return self.sizes[self.axis]
 
     def on(self, axis: str) -> "Ctx":
         home = ("S(s)" if self.sp else "I") if axis == "tp" else ("S(s)" if self.cp > 1 else "I")
@@ -309,7 +315,7 @@ class EmitCtx:
 
 
 def need_divisible(value: int, by: int, what: str, loc: Loc, hint: str = "", axis: str = "tp") -> None:
-    name = {"tp": "tensor-model-parallel", "cp": "context-parallel"}[axis]
+    name = GROUP_NAMES[axis]
     if by > 1 and value % by:
         raise SpecError(loc, f"{what}={value} is not divisible by {name} size {by}",
                         hint or f"choose a multiple of {by} or a smaller --{name}-size")

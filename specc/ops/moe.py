@@ -70,10 +70,7 @@ class MoE(OpKind):
             raise SpecError(locs.get("apply_probs_on_input"), f"apply_probs_on_input needs topk 1, got topk="
                             f"{attrs['topk']}", "a token scaled once goes to one expert (Megatron asserts the same)")
         ep = getattr(ctx, "ep", 1)
-        if ep > 1 and attrs["num_experts"] % ep:
-            raise SpecError(locs.get("num_experts"), f"num_experts={attrs['num_experts']} is not divisible by "
-                            f"expert-model-parallel size {ep}", f"choose a multiple of {ep} or a smaller "
-                            "--expert-model-parallel-size")
+        need_divisible(attrs["num_experts"], ep, "num_experts", locs.get("num_experts"), axis="ep")
         e, g, gk, k = attrs["num_experts"], attrs["num_groups"], attrs["group_topk"], attrs["topk"]
         if g > 1:
             if e % g:

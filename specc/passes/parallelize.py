@@ -359,11 +359,11 @@ def _check_divisible(g: Graph, op: Op, value: Value, ctx: Ctx) -> None:
         seq //= cp.cp
     if tp.tp > 1 and lay["tp"] == SS and (seq is None or seq % tp.tp):
         raise SpecError(op.loc, f"sequence length {seq} of '{value.name}' is not divisible by "
-                        f"tensor-model-parallel size {tp.tp}, over which sequence parallelism shards it",
+                        f"{AXIS_NAMES['tp']} size {tp.tp}, over which sequence parallelism shards it",
                         "choose a seq_length that divides by the TP size, or turn off --sequence-parallel")
     if tp.tp > 1 and lay["tp"] == SH and value.shape[-1] % tp.tp and not has_replicas(value.units, tp.tp):
-        raise SpecError(op.loc, f"last dim {value.shape[-1]} of '{value.name}' is not divisible by tensor-model-parallel "
-                        f"size {tp.tp}")
+        raise SpecError(op.loc, f"last dim {value.shape[-1]} of '{value.name}' is not divisible by "
+                        f"{AXIS_NAMES['tp']} size {tp.tp}")
 
 
 def _check_segments(g: Graph, op: Op) -> None:

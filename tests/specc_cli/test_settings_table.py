@@ -12,7 +12,8 @@ import pytest
 
 from runtime.train.config import ParallelConfig
 from specc.errors import SpecError
-from specc.settings import TABLE, Settings
+from specc.layouts import GROUP_NAMES
+from specc.settings import FLAG, TABLE, Settings
 from specc_cli.args import settings_from
 from specc_cli.main import build_parser
 from specc_cli.train_args import build_rank_parser
@@ -88,3 +89,9 @@ def test_a_broken_rule_is_one_line_at_its_flag(values, located):
 
 def test_code_may_give_what_flags_refuse():
     assert Settings(sp=True).sp and Settings(backend="unfused").backend == "unfused"
+
+
+def test_the_compilers_group_names_are_the_tables_flags():
+    """layouts.GROUP_NAMES, what build_model's size checks and the divisibility errors below the
+    table call each parallel group, is each size's Megatron flag in the table: --NAME-size."""
+    assert {group: FLAG[group] for group in GROUP_NAMES} == {g: f"--{n}-size" for g, n in GROUP_NAMES.items()}
