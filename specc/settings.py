@@ -258,7 +258,7 @@ class Settings:
             value = getattr(self, f.name)
             if value == f.default:
                 continue
-            flag = min(meta.flags, key=len)
+            flag = SHORT_FLAG[f.name]
             out.append(flag if meta.kind is bool else f"{flag} {shlex.quote(str(value))}")
         return out
 
@@ -269,6 +269,7 @@ class Settings:
 
 TABLE = tuple((f, f.metadata["setting"]) for f in dataclasses.fields(Settings))
 FLAG = {f.name: meta.flags[0] for f, meta in TABLE}  # the name errors give each setting
+SHORT_FLAG = {f.name: min(meta.flags, key=len) for f, meta in TABLE}  # the one commands are written with
 
 
 def _default_show(s, f) -> str | None:

@@ -8,8 +8,12 @@ import json
 import sys
 
 from specc.errors import Loc, SpecError
+from specc.settings import FLAG, TABLE
 
 from .args import overrides_from, recompute_from, settings_from
+
+PLACED_BY_HAND = ("pp_first_stage_layers", "pp_last_stage_layers", "pp_layout")  # settings --search refuses
+FIXED = {"pp_virtual_stage_layers": "vpp"}  # a setting's name in Fixed where it differs (the rest: the same)
 
 
 def cmd_search(args) -> int:
@@ -27,12 +31,10 @@ def cmd_search(args) -> int:
             raise SpecError(Loc(f"{flag} {value}"), "must be at least 1")
     if args.top < 0:
         raise SpecError(Loc(f"--top {args.top}"), "must be at least 0 (0: every layout that fits)")
-    for flag, value in (("--decoder-first-pipeline-num-layers", args.pp_first_stage_layers),
-                        ("--decoder-last-pipeline-num-layers", args.pp_last_stage_layers),
-                        ("--pipeline-model-parallel-layout", args.pp_layout)):
-        if value is not None:
-            raise SpecError(Loc(flag), "places layers by hand; --search places them by the cost model",
-                            f"drop {flag}")
+    for name in PLACED_BY_HAND:
+        if getattr(args, name) is not None:
+            raise SpecError(Loc(FLAG[name]), "places layers by hand; --search places them by the cost model",
+                            f"drop {FLAG[name]}")
     machine = load_machine(args.machine)
     base = settings_from(args)  # the flags checked as `specc plan` checks them
     rc = recompute_from(args)
@@ -40,14 +42,11 @@ def cmd_search(args) -> int:
             ("uniform", 1):
         raise SpecError(Loc("--recompute-method"), "--search recomputes full layers one by one (uniform, 1)",
                         "drop --recompute-method and --recompute-num-layers")
-    fixed = Fixed(
-        tp=args.tp if args.tp != 1 else None, sp=True if args.sp else None,
-        cp=args.cp if args.cp != 1 else None, cp_comm_type=args.cp_comm_type if args.cp_comm_type != "auto" else None,
-        pp=args.pp if args.pp != 1 else None, vpp=args.pp_virtual_stage_layers,
-        ep=args.ep if args.ep != 1 else None,
-        micro_batch_size=args.micro_batch_size if args.micro_batch_size != 1 else None,
-        recompute=rc.get("recompute_granularity"),
-        distributed_optimizer=True if args.use_distributed_optimizer else None)
+    given = {f.name: getattr(base, f.name) for f, _ in TABLE if getattr(base, f.name) != f.default}
+    fixed = Fixed(**{FIXED.get(name, name): value for name, value in given.items()
+                     if FIXED.get(name, name) in Fixed.__dataclass_fields__},
+                  recompute=rc.get("recompute_granularity"),
+                  distributed_optimizer=True if args.use_distributed_optimizer else None)
     res = search(args.spec, base, overrides_from(args), machine, args.num_gpus, args.global_batch_size, fixed,
                  overlap_param_gather=args.overlap_param_gather)
     if not res.candidates:

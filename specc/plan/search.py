@@ -23,6 +23,7 @@ from ..compiler import load_and_compile
 from ..errors import Loc, SpecError
 from ..layouts import DTYPE_BYTES
 from ..passes.pipeline import cut_pipeline
+from ..settings import SHORT_FLAG, Settings
 from .build import OPT_BYTES, assemble_plan, plan_entries
 from .render import human_bytes
 from .time import LABELS, Job, predict
@@ -85,21 +86,19 @@ def layout_text(lay: dict) -> str:
 
 
 def layout_flags(lay: dict) -> str:
-    """The layout as `specc plan` / `compile` / `train` flags."""
-    out = [f"--tp {lay['tp']}"] + (["--sp"] if lay["sp"] else [])
+    """The layout as `specc plan` / `compile` / `train` flags (each setting's flag from the table)."""
+    f = SHORT_FLAG
+    out = [f"{f['tp']} {lay['tp']}"] + ([f["sp"]] if lay["sp"] else [])
     if lay["cp"] > 1:
-        out.append(f"--cp {lay['cp']} --cp-comm-type {lay['cp_comm_type']}")
+        out.append(f"{f['cp']} {lay['cp']} {f['cp_comm_type']} {lay['cp_comm_type']}")
     if lay["pp"] > 1:
-        out.append(f"--pp {lay['pp']}")
+        out.append(f"{f['pp']} {lay['pp']}")
     if lay["vpp"]:
-        out.append(f"--num-layers-per-virtual-pipeline-stage {lay['vpp']}")
+        out.append(f"{f['pp_virtual_stage_layers']} {lay['vpp']}")
     if lay["ep"] > 1:
-        out.append(f"--ep {lay['ep']}")
-    out.append(f"--micro-batch-size {lay['micro_batch_size']}")
-    if lay["recompute"] == "selective":
-        out.append("--recompute-granularity selective")
-    elif lay["recompute"] == "full":
-        out.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+        out.append(f"{f['ep']} {lay['ep']}")
+    out.append(f"{f['micro_batch_size']} {lay['micro_batch_size']}")
+    out += [f"{f[name]} {value}" for name, value in RECOMPUTE[lay["recompute"]].items()]
     if lay["distributed_optimizer"]:
         out.append("--use-distributed-optimizer")
     return " ".join(out)
@@ -142,8 +141,7 @@ def search(path: str, base, overrides, machine, num_gpus: int, global_batch_size
     def compile_key(key):
         if key not in compiled:
             tp, sp, cp, cpct, ep, mbs, rc = key
-            recompute = {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None,
-                         **RECOMPUTE[rc]}
+            recompute = {**dict.fromkeys(Settings.names("recompute")), **RECOMPUTE[rc]}
             settings = dataclasses.replace(base, tp=tp, sp=sp, cp=cp, cp_comm_type=cpct, ep=ep, micro_batch_size=mbs,
                                            pp=1, pp_virtual_stage_layers=None, pp_first_stage_layers=None,
                                            pp_last_stage_layers=None, pp_layout=None, **recompute)
@@ -180,7 +178,8 @@ def search(path: str, base, overrides, machine, num_gpus: int, global_batch_size
                                     res.prune("expert parallelism with context parallelism is not supported",
                                               lay)
                                     continue
-                                pps = [p for p in choices("pp", _divisors(rest)) if rest and (rest // p) % ep == 0]
+                                pps = [p for p in choices("pp", _divisors(rest))
+                                       if rest and rest % p == 0 and (rest // p) % ep == 0]
                                 if not pps:
                                     res.prune("the GPU count does not divide into tp x cp x pp x dp with ep "
                                               "inside dp", lay)

@@ -13,7 +13,7 @@ from specc.errors import Loc, SpecError
 from specc.frontend.model import Settings
 from specc.plan import build_plan
 from specc.plan.machine import load_machine
-from specc.plan.search import RECOMPUTE, Fixed, search, tokens_per_sample
+from specc.plan.search import RECOMPUTE, Fixed, layout_flags, search, tokens_per_sample
 from specc.plan.time import Job, predict
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
@@ -90,3 +90,18 @@ def test_search_command_line(specc, tmp_path):
     assert "no layout fits in 97.66 KiB per GPU: the smallest need is" in err and "tp 2" in err
     code, out, err = specc("plan", GPT_TINY, "--search", "--machine", "dgx-a100-80gb", "--num-gpus", "2")
     assert code == 2 and "needs --global-batch-size too" in err
+
+
+def test_layout_flags_are_the_tables_and_a_fixed_pipeline_size_that_does_not_divide_is_pruned():
+    """The flags of a layout (each setting's shortest flag in specc/settings.py) parse back to its
+    settings; a --pp that does not divide what TP x CP leave of the GPUs is pruned, not a
+    ZeroDivisionError (it was at tp 2 of 2 GPUs with --pp 4)."""
+    lay = {"tp": 2, "sp": True, "cp": 2, "cp_comm_type": "p2p", "pp": 2, "vpp": 1, "ep": 1, "micro_batch_size": 2,
+           "recompute": "full", "distributed_optimizer": True}
+    assert layout_flags(lay) == ("--tp 2 --sp --cp 2 --cp-comm-type p2p --pp 2 --num-layers-per-virtual-pipeline-stage 1 "
+                                 "--micro-batch-size 2 --recompute-granularity full --recompute-method uniform "
+                                 "--recompute-num-layers 1 --use-distributed-optimizer")
+    res = search(GPT_TINY, Settings(), OVERRIDES, MACHINE, 2, 8, Fixed(pp=4, cp=1, recompute="none"),
+                 micro_batch_sizes=(2,))
+    assert not res.candidates and res.evaluated == 0
+    assert res.pruned["the GPU count does not divide into tp x cp x pp x dp with ep inside dp"][0] == 4  # tp 1 x ep 1, 2; tp 2 x sp
