@@ -33,6 +33,14 @@ class Add(OpKind):
     def out_segments(self, attrs, in_segments):
         return in_segments[0] if in_segments else ()  # elementwise: the inputs' common cut
 
+    def memory_traffic(self, node, local_in, local_out, elt):
+        """Forward reads the inputs and writes the sum. Backward runs no kernel of its own (torch's
+        add hands the output's gradient to every input as it is); where an input also feeds
+        another op (the residual stream, x in x + f(x)), autograd sums the two gradients: one
+        pass reading two and writing one, counted here, as many bytes as the forward's."""
+        forward = (sum(numel(s) for s in local_in) + sum(numel(s) for s in local_out)) * elt
+        return forward, forward
+
     def call(self, node, args, ctx):
         return " + ".join(args)
 

@@ -228,6 +228,12 @@ class BiasAdd(OpKind):
         """The submodule that holds this bias (the row-parallel linear)."""
         return node.attrs["owner_attr"]
 
+    def memory_traffic(self, node, local_in, local_out, elt):
+        """Forward reads x and writes x + bias. Backward hands the output's gradient to x as it is
+        (no kernel) and sums it over the tokens for the bias's gradient: one read."""
+        out = sum(numel(s) for s in local_out) * elt
+        return sum(numel(s) for s in local_in) * elt + out, out
+
     def note(self, node) -> str:
         if node.in_layouts and node.in_layouts[0]["tp"] == "P":
             return "the bias joins the partial sums on one rank only, so the sum over ranks adds it once"

@@ -182,6 +182,21 @@ def test_all_to_all_link_carries_eps_all_to_alls_inside_a_node():
     assert got["breakdown_s"]["ep_comm"] == pytest.approx(want, rel=1e-9)
 
 
+def test_add_and_bias_add_backward_traffic():
+    """A residual add's backward sums two gradients where the stream forks (read two, write one:
+    its forward's bytes); a bias add's backward reads the gradient once for the bias's sum."""
+    plan, seq = plan_of(tp=2, overrides=[("num_layers", 1)])
+    adds = [e for e in plan.entries if e.kind == "add" and e.name.startswith("layers.")]
+    biases = [e for e in plan.entries if e.kind == "bias_add"]
+    assert adds and biases
+    for e in adds:
+        assert e.memory[1] == e.memory[0] and e.memory[0] % 3 == 0
+    for e in biases:
+        assert 2 * e.memory[1] == e.memory[0]
+    act = 32 * 1 * 64 * 2  # one activation on a rank: gpt-tiny's s x b x h in bf16 (replicated over TP without SP)
+    assert all(e.memory == (3 * act, 3 * act) for e in adds) and all(e.memory == (2 * act, act) for e in biases)
+
+
 def test_memory_total_is_the_plans():
     plan, seq = plan_of(tp=2, sp=True)
     t = plan.totals
