@@ -167,3 +167,24 @@ def test_attention_kernels_without_a_document_mask_fall_back_and_a_spec_with_no_
     assert attention and all(op.impl == "native" and "document ids" in op.impl_reason for op in attention)
     with pytest.raises(SpecError, match="no rotary or position_embedding op to take position_ids"):
         load_and_compile(os.path.join(ROOT, "specs", "bloom-tiny.yaml"), Settings(reset_position_ids=True))
+
+
+def test_a_training_step_reports_the_masked_loss_of_the_packed_documents():
+    """The loop's path: micro_batch gives (tokens, position_ids, document_ids, labels, loss mask)
+    and train_step reports Megatron's loss, the masked per-token losses over their count."""
+    from runtime.train.training import setup_model_and_optimizer, train_step
+    from specc_torch.train import compile_model
+
+    class Data:
+        def micro_batch(self, consumed, micro, mbs, dp_rank, dp_size):
+            tokens, labels = _sample_batch()
+            return tokens.numpy(), labels.numpy()
+
+    cfg = TrainConfig(spec=SPECS["llama"], micro_batch_size=2, global_batch_size=2)
+    cfg.data.eod, cfg.data.eod_mask_loss, cfg.data.reset_position_ids, cfg.data.reset_attention_mask = EOD, True, True, True
+    setup = setup_model_and_optimizer(cfg, ProcessGroups.single(), compiled=compile_model(cfg))
+    batch = micro_batch(Data(), 0, 0, cfg, ProcessGroups.single(), torch.device("cpu"))
+    with torch.no_grad():
+        per_token = setup.model(*batch[:4])
+    want = float((per_token * batch[4]).sum() / batch[4].sum())
+    assert train_step(setup, [batch], 0.0, ProcessGroups.single()).loss == pytest.approx(want, rel=1e-6)
