@@ -33,7 +33,9 @@ from runtime.checkpoint.core import check_params, check_spec
 from specc.errors import Loc, SpecError, did_you_mean
 from specc.frontend.load import read_spec
 
-from ..hf.convert import _fresh_output, _grouped_to_sections, _sections_to_grouped, model_params
+from ..hf.convert import model_params
+from ..hf.files import fresh_output
+from ..hf.layouts import grouped_to_sections, sections_to_grouped
 from ..hf.mapping import _evaluate
 from .files import (
     MegatronError,
@@ -181,7 +183,7 @@ def read_weights(load_dir: str, spec_path: str, overrides: dict | None = None, i
             if t.dim() == 0 or t.shape[0] != groups * sum(sections) or tuple(t.shape[1:]) != want[1:]:
                 raise MegatronError(f"{path}: {mname} is {list(t.shape)} in the checkpoint, but spec {spec.name}'s "
                                     f"{name} is {list(want)} ({groups} query groups of {sum(sections)} rows)")
-            t = _grouped_to_sections(t, groups, sections)
+            t = grouped_to_sections(t, groups, sections)
         if tuple(t.shape) != want:
             raise MegatronError(f"{path}: {mname} is {list(t.shape)} in the checkpoint, but spec {spec.name}'s {name} is "
                                 f"{list(want)}{_vocab_hint(spec, tuple(t.shape), want)}")
@@ -195,7 +197,7 @@ def import_megatron(load_dir: str, spec_path: str, out: str, overrides: dict | N
     """A Megatron checkpoint (its save directory's latest, `iteration`, or one iter_N/ folder)
     into a new specc checkpoint OUT at step N. Weights only: its optimizer state, if any, is not
     converted (the summary says whether there was some)."""
-    _fresh_output(out)
+    fresh_output(out)
     read = read_weights(load_dir, spec_path, overrides, iteration)
     step = read["iteration"] or 0
     identity = read["identity"]
@@ -218,7 +220,7 @@ def megatron_tensors(full: dict, spec_path: str, spec, params: dict) -> tuple[di
     for name, (entry, mname) in bound.items():
         t = full[name]
         if entry.permute is not None:
-            t = _sections_to_grouped(t, *entry.permute)
+            t = sections_to_grouped(t, *entry.permute)
         tensors[mname] = t.contiguous().clone()
     layers = sorted({m.group(1) for n in params if (m := re.match(r"^(?:.*\.)?layers\.(\d+)\.", n))}, key=int)
     modules = []
@@ -246,7 +248,7 @@ def export_megatron(ckpt: str, spec_path: str, out: str, overrides: dict | None 
                     allow_spec_change: bool = False) -> dict:
     """A specc checkpoint (any layout saved it) as a new Megatron Core torch_dist save directory
     OUT: iter_N/ (N its step) and latest_checkpointed_iteration.txt; weights only."""
-    _fresh_output(out)
+    fresh_output(out)
     got = megatron_export_tensors(ckpt, spec_path, overrides, step, allow_spec_change)
     tensors = got["tensors"]
     created = not os.path.lexists(out)

@@ -13,7 +13,7 @@ import pytest
 
 from runtime.train.config import TrainConfig
 from specc_torch.hf import HFError
-from specc_torch.hf.convert import _fresh_output
+from specc_torch.hf.files import fresh_output
 from specc_torch.train import output_rules
 
 MESSAGE = "not a regular file: only regular files are replaced, and it is left as it is"
@@ -85,11 +85,11 @@ def test_hf_writes_only_a_new_or_empty_folder(tmp_path):
     for name, what in [("link", f"a symbolic link (to {tmp_path / 'empty'})"), ("fifo", "a FIFO (named pipe)"),
                        ("file", "a file")]:
         with pytest.raises(HFError) as e:
-            _fresh_output(str(tmp_path / name))
+            fresh_output(str(tmp_path / name))
         assert str(e.value) == (f"{tmp_path / name}: is {what}, not a folder: only a new or empty folder is written, "
                                 "and it is left as it is (choose a new directory)")
     with pytest.raises(HFError, match="the output directory is empty"):
-        _fresh_output("")
-    _fresh_output(str(tmp_path / "empty"))
-    _fresh_output(str(tmp_path / "new"))
+        fresh_output("")
+    fresh_output(str(tmp_path / "empty"))
+    fresh_output(str(tmp_path / "new"))
     assert sorted(os.listdir(tmp_path)) == ["empty", "fifo", "file", "link"]

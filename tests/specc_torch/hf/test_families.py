@@ -17,7 +17,9 @@ import specc_torch
 from runtime.checkpoint import load_checkpoint
 from runtime.parallel_state import ProcessGroups
 from specc_torch.hf import HFError, export_hf, import_hf
-from specc_torch.hf.convert import _grouped_to_sections, _sections_to_grouped, check_modeled, model_params
+from specc_torch.hf.checks import check_modeled
+from specc_torch.hf.convert import model_params
+from specc_torch.hf.layouts import grouped_to_sections, sections_to_grouped
 
 pytest.importorskip("transformers")
 TOL = 1e-4
@@ -90,10 +92,10 @@ def test_exported_models_load_in_transformers(imported, tmp_path):
 def test_the_per_head_permutation():
     """GPT-NeoX's fused QKV rows [q0 k0 v0 q1 k1 v1] become [q0 q1 | k0 k1 | v0 v1], and back."""
     rows = torch.arange(12.0)[:, None].expand(12, 3)  # 2 heads, head_dim 2: q0=0,1 k0=2,3 v0=4,5 q1=6,7...
-    specc = _grouped_to_sections(rows, 2, (2, 2, 2))
+    specc = grouped_to_sections(rows, 2, (2, 2, 2))
     assert specc[:, 0].tolist() == [0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11]
-    assert torch.equal(_sections_to_grouped(specc, 2, (2, 2, 2)), rows)
-    grouped = _grouped_to_sections(torch.arange(8.0), 2, (2, 1, 1))  # grouped-query: 2 q heads per group
+    assert torch.equal(sections_to_grouped(specc, 2, (2, 2, 2)), rows)
+    grouped = grouped_to_sections(torch.arange(8.0), 2, (2, 1, 1))  # grouped-query: 2 q heads per group
     assert grouped.tolist() == [0, 1, 4, 5, 2, 6, 3, 7]
 
 

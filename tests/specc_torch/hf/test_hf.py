@@ -23,7 +23,8 @@ import specc_torch
 from runtime.checkpoint import load_checkpoint, read_info
 from specc.errors import SpecError
 from specc_torch.hf import HFError, export_hf, import_hf
-from specc_torch.hf.convert import _half_to_interleaved, _interleaved_to_half, model_params, with_rotary
+from specc_torch.hf.convert import model_params
+from specc_torch.hf.layouts import half_to_interleaved, interleaved_to_half, with_rotary
 from specc_torch.hf.mapping import mapping_of
 
 pytest.importorskip("transformers")
@@ -107,9 +108,9 @@ def test_the_interleaved_rotary_permutation_keeps_attention_scores():
 
     reference = scores(rope_interleaved(x @ wq.t()), rope_interleaved(x @ wk.t()))
     rotary = runtime.RotaryEmbedding(d)
-    wq2, wk2 = _interleaved_to_half(wq, d), _interleaved_to_half(wk, d)
+    wq2, wk2 = interleaved_to_half(wq, d), interleaved_to_half(wk, d)
     assert torch.allclose(scores(rotary(x @ wq2.t()), rotary(x @ wk2.t())), reference, atol=1e-4)
-    assert torch.equal(_half_to_interleaved(wq2, d), wq)  # export undoes import exactly
+    assert torch.equal(half_to_interleaved(wq2, d), wq)  # export undoes import exactly
     assert not torch.allclose(scores(rotary(x @ wq.t()), rotary(x @ wk.t())), reference, atol=1e-2)
 
 
@@ -128,11 +129,11 @@ def test_a_partial_rotary_permutes_only_the_features_that_rotate(tmp_path):
     gptj = runtime.RotaryEmbedding(d, rotary_dim=r, interleaved=True)  # HF's layout, as GPT-J computes it
     reference = scores(gptj(x @ wq.t()), gptj(x @ wk.t()))
     half = runtime.RotaryEmbedding(d, rotary_dim=r)  # specc's op: rotate-half on the first r features
-    wq2, wk2 = _interleaved_to_half(wq, d, r), _interleaved_to_half(wk, d, r)
+    wq2, wk2 = interleaved_to_half(wq, d, r), interleaved_to_half(wk, d, r)
     assert torch.allclose(scores(half(x @ wq2.t()), half(x @ wk2.t())), reference, atol=1e-4)
     assert torch.equal(wq2.reshape(heads, d, hidden)[:, r:], wq.reshape(heads, d, hidden)[:, r:])  # passed through
-    assert torch.equal(_half_to_interleaved(wq2, d, r), wq)
-    whole = _interleaved_to_half(wq, d), _interleaved_to_half(wk, d)  # the old whole-head permutation
+    assert torch.equal(half_to_interleaved(wq2, d, r), wq)
+    whole = interleaved_to_half(wq, d), interleaved_to_half(wk, d)  # the old whole-head permutation
     assert not torch.allclose(scores(half(x @ whole[0].t()), half(x @ whole[1].t())), reference, atol=1e-2)
 
     neox = os.path.join(os.path.dirname(SPECS["llama"]), "gpt-neox-tiny.yaml")  # 4 heads of 16, rotary on 4

@@ -212,7 +212,8 @@ def test_a_checkpoint_with_multi_token_prediction_layers_is_refused(tmp_path, ca
     (dict(rope_parameters={**YARN, "mscale": 0.8}), "rope attention factor = 1.0, but spec deepseek_v3_tiny models 1.0249579607969668"),
 ])
 def test_what_the_spec_does_not_model_is_refused(change, message):
-    from specc_torch.hf.convert import HFError, check_modeled, model_params
+    from specc_torch.hf import HFError, model_params
+    from specc_torch.hf.checks import check_modeled
 
     graph = model_params(SPEC, with_graph=True)[3]
     config = hf_config().to_dict()
@@ -225,7 +226,8 @@ def test_what_the_spec_does_not_model_is_refused(change, message):
 def test_the_yarn_softmax_scale_is_the_attention_ops():
     """With yarn's mscale_all_dim, DeepSeek's softmax scale is (0.1 mscale_all_dim ln(factor) + 1)^2
     / sqrt(d): a spec whose attention keeps 1/sqrt(d) is refused, naming the knob."""
-    from specc_torch.hf.convert import HFError, check_modeled, model_params
+    from specc_torch.hf import HFError, model_params
+    from specc_torch.hf.checks import check_modeled
 
     config = hf_config().to_dict()
     graph = model_params(SPEC, {"softmax_scale": 12 ** -0.5}, with_graph=True)[3]

@@ -135,7 +135,8 @@ def test_context_parallelism_and_a_tp_size_splitting_a_norm_group_are_located_er
 def test_a_config_the_spec_does_not_model_is_refused(check, change, message):
     from transformers import NemotronHConfig
 
-    from specc_torch.hf.convert import HFError, check_config, check_layer_kinds, check_modeled, model_params
+    from specc_torch.hf import HFError, model_params
+    from specc_torch.hf.checks import check_config, check_layer_kinds, check_modeled
     from specc_torch.hf.mapping import mapping_of
 
     spec, _, _, graph = model_params(SPEC, with_graph=True)

@@ -138,7 +138,8 @@ def test_llama4_matches_transformers_at_tp_1_2_4_with_and_without_sp_and_round_t
 
 
 def test_what_the_spec_does_not_model_is_refused():
-    from specc_torch.hf.convert import HFError, check_modeled, model_params
+    from specc_torch.hf import HFError, model_params
+    from specc_torch.hf.checks import check_modeled
 
     graph = model_params(SPEC, with_graph=True)[3]
     config = {**hf_config().to_dict(), **IMPLIED}

@@ -115,7 +115,8 @@ def test_import_then_export_gives_back_every_per_expert_tensor(tmp_path, family)
     ("mixtral", dict(scoring_func="sigmoid"), 'scoring_func = "sigmoid", but spec mixtral_tiny models "softmax"'),
 ])
 def test_routing_the_moe_op_does_not_model_is_refused(family, change, message):
-    from specc_torch.hf.convert import HFError, check_modeled, model_params
+    from specc_torch.hf import HFError, model_params
+    from specc_torch.hf.checks import check_modeled
 
     graph = model_params(SPECS[family], with_graph=True)[3]
     config = hf_config(family).to_dict()

@@ -198,8 +198,8 @@ def test_configs_the_ops_do_not_model_are_refused():
     factor, MPT's clip_qkv (another, or one where the spec has none) and softmax_scale, op by op;
     what MPT's config asks for that no op models (q/k LayerNorms, biases, multi-query attention),
     by the mapping."""
-    from specc_torch.hf import HFError
-    from specc_torch.hf.convert import check_config, check_modeled, mapping_of, model_params
+    from specc_torch.hf import HFError, mapping_of, model_params
+    from specc_torch.hf.checks import check_config, check_modeled
 
     bloom = model_params(_spec("bloom"), {"modules.SelfAttention.submodules.core_attention.alibi": False},
                          with_graph=True)[3]
