@@ -188,3 +188,10 @@ def test_a_training_step_reports_the_masked_loss_of_the_packed_documents():
         per_token = setup.model(*batch[:4])
     want = float((per_token * batch[4]).sum() / batch[4].sum())
     assert train_step(setup, [batch], 0.0, ProcessGroups.single()).loss == pytest.approx(want, rel=1e-6)
+
+
+def test_train_without_an_end_of_document_token_is_one_line(specc, tmp_path):
+    code, out, err = specc("train", SPECS["gpt"], "--mock-data", "--reset-position-ids", "--reset-attention-mask",
+                           "--run-dir", tmp_path)
+    assert code != 0 and err.strip().count("\n") == 0, err
+    assert "--reset-position-ids/--reset-attention-mask needs the end-of-document token's id" in err
