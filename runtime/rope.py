@@ -166,9 +166,12 @@ class RotaryEmbedding(nn.Module):
                                  f"context parallelism), got {tuple(position_ids.shape)}")
             if n > 1:
                 position_ids = position_ids.index_select(1, load_balanced_positions(s, self.cp, x.device))
-            rows = position_ids.t().to(x.device)  # [s, b]: the rows of the table, as the default path reads them
-            cos, sin = self._cos_sin(max(s * n, int(rows.max()) + 1), x.device, x.dtype, inv_freq)
-            cos, sin = cos[rows][:, :, None, :], sin[rows][:, :, None, :]
+            # [s, b, rotary_dim]: the angles as _cos_sin computes its table (the same fp32 products),
+            # per token; no table lookup, so no position is read back to the host
+            freqs = position_ids.t().to(x.device, torch.float32)[..., None] * inv_freq.to(x.device)
+            angles = freqs.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([freqs, freqs], dim=-1)
+            f = self.attention_factor
+            cos, sin = (angles.cos() * f).to(x.dtype)[:, :, None, :], (angles.sin() * f).to(x.dtype)[:, :, None, :]
         elif n > 1:
             cos, sin = self._cos_sin(s * n, x.device, x.dtype, inv_freq)
             positions = load_balanced_positions(s, self.cp, x.device)
