@@ -58,7 +58,7 @@ MEGATRON_FLAG_FATES = (
     ("--manual-gc-interval", 1, "no effect", "when Python's garbage collector runs: timing only"),
     ("--num-workers", 1, "no effect", "samples are read in the training process, no DataLoader workers"),
     ("--no-create-attention-mask-in-dataloader", 0, "no effect", "the data never builds an attention mask: "
-     "attention is causal inside the kernel"),
+     "attention is causal inside the kernel (with --reset-attention-mask, refused beside it, document ids)"),
     ("--no-mmap-bin-files", 0, "no effect", "how the .bin file is read, not what: the same samples"),
     ("--data-cache-path", 1, "no effect", "the sample indices are built in memory at the start of each run; "
      "nothing is cached on disk"),

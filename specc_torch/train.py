@@ -139,6 +139,7 @@ def check(cfg: TrainConfig, world_size: int):
         raise ConfigError([f"{cfg.spec}: no such spec file"])
     errors = tokenizer_rules(cfg)
     errors += eod_rules(cfg)
+    errors += packed_rules(cfg)
     if errors:
         raise ConfigError(errors)
     _, spec = compile_model(cfg)
@@ -366,6 +367,17 @@ def tokenizer_rules(cfg: TrainConfig) -> list:
     if isinstance(given, int) and given < tok.vocab_size:
         return [f"--set vocab_size={given} is smaller than the {data.tokenizer_type} vocabulary ({tok.vocab_size}); "
                 f"drop it to use the padded {data.padded_vocab_size}"]
+    return []
+
+
+def packed_rules(cfg: TrainConfig) -> list:
+    """--reset-attention-mask restarts attention in the mask Megatron's data loader builds; with
+    --no-create-attention-mask-in-dataloader it builds none and Megatron's documents attend to
+    each other, which specc's model compiled for document ids would not do: refused."""
+    flag = "--no-create-attention-mask-in-dataloader"
+    if cfg.data.reset_attention_mask and any(note.split(":", 1)[0].strip() == flag for note in cfg.notes):
+        return [f"--reset-attention-mask with {flag}: Megatron then builds no attention mask, so its reset "
+                "does not happen there; drop one of them"]
     return []
 
 

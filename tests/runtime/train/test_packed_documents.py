@@ -190,8 +190,13 @@ def test_a_training_step_reports_the_masked_loss_of_the_packed_documents():
     assert train_step(setup, [batch], 0.0, ProcessGroups.single()).loss == pytest.approx(want, rel=1e-6)
 
 
-def test_train_without_an_end_of_document_token_is_one_line(specc, tmp_path):
+def test_train_refuses_packed_documents_it_cannot_reset_in_one_line(specc, tmp_path):
     code, out, err = specc("train", SPECS["gpt"], "--mock-data", "--reset-position-ids", "--reset-attention-mask",
                            "--run-dir", tmp_path)
     assert code != 0 and err.strip().count("\n") == 0, err
     assert "--reset-position-ids/--reset-attention-mask needs the end-of-document token's id" in err
+    # Megatron resets the mask its data loader builds: without one the reset does not happen there
+    code, out, err = specc("train", SPECS["gpt"], "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                           "200", "--reset-attention-mask", "--no-create-attention-mask-in-dataloader",
+                           "--run-dir", tmp_path)
+    assert code != 0 and "--reset-attention-mask with --no-create-attention-mask-in-dataloader" in err, err
