@@ -11,10 +11,12 @@ from ..errors import Loc, SpecError, did_you_mean
 from ..ops import SPEC_OPS
 from .dataflow import check_identifier, parse_step
 from .expr import has_interpolation, interpolate, unknown_name, whole_expression
+from .hf_section import check_hf
 from .megatron import check_megatron
 from .model import Leaf, ModelInput, ModuleDef, Ref, Settings, Spec
+from .module_checks import check_dataflow, check_module_graph
 from .packed import thread_packed_inputs
-from .yamlload import LDict, LList, LStr, load_yaml, read_text
+from .yamlload import LDict, LList, LStr, check_keys, clip, kind_of, load_yaml, read_text
 
 TOP_KEYS = {"name": "str", "description": "str", "extends": "str", "config": "mapping", "model": "mapping",
             "modules": "mapping", "hf": "mapping", "megatron": "mapping"}
@@ -28,8 +30,6 @@ DTYPES = ("int64", "int32", "float32", "bfloat16", "float16")
 MAX_EXTENDS = 16
 MAX_REPEAT = 100_000
 MAX_CONFIG_DEPTH = 64  # config values that refer to config values that refer to ...
-MAX_MODULE_DEPTH = 32  # modules that contain modules that contain ...
-MAX_OPS = 100_000  # ops after repeats are expanded: a 1000-layer model has about 20,000
 MAX_SIZE = 1 << 40  # no tensor dimension or count is larger
 MAX_NAME = 100  # characters in a spec name: it names files and folders (NAME_tp8_sp/, .NAME.tmp-XXXXXXXX)
 
@@ -59,9 +59,9 @@ def _read_with_extends(path: str, chain: list):
     text = read_text(path)
     doc = load_yaml(text, path)
     if not isinstance(doc, LDict):
-        raise SpecError(Loc(path, 1, 1), f"a spec must be a YAML mapping, got {_kind(doc)}",
+        raise SpecError(Loc(path, 1, 1), f"a spec must be a YAML mapping, got {kind_of(doc)}",
                         "start with keys such as 'name:', 'config:', 'model:' and 'modules:'")
-    _check_keys(doc, TOP_KEYS, "at the top level of the spec")
+    check_keys(doc, TOP_KEYS, "at the top level of the spec")
     texts = [text]
     if "extends" in doc:
         parent = doc["extends"]
@@ -150,7 +150,7 @@ class _Builder:
             raise SpecError(raw.value_loc("name"), f"spec name is {len(name)} characters long, at most {MAX_NAME}",
                             "it names the generated folder and files; choose a shorter name")
         if not isinstance(self.config_raw, LDict):
-            raise SpecError(raw.value_loc("config"), f"'config' must be a mapping, got {_kind(self.config_raw)}")
+            raise SpecError(raw.value_loc("config"), f"'config' must be a mapping, got {kind_of(self.config_raw)}")
         for key in self.config_raw:
             check_identifier(key, self.config_raw.key_loc(key), "config name")
         config = {k: self.lookup(k, self.config_raw.key_loc(k)) for k in self.config_raw}
@@ -162,10 +162,10 @@ class _Builder:
             check_identifier(mname, modules_raw.key_loc(mname), "module name")
             modules[mname] = self._module(mname, mraw, modules_raw.value_loc(mname), modules_raw.key_loc(mname))
         root, inputs = self._model(raw["model"], raw.value_loc("model"), modules)
-        _check_module_graph(modules, root)
+        check_module_graph(modules, root)
         desc = raw.get("description", "")
         if "hf" in raw:
-            _check_hf(raw["hf"], raw.value_loc("hf"), self.value)
+            check_hf(raw["hf"], raw.value_loc("hf"), self.value)
         if "megatron" in raw:  # its form; the flags the command line owns: specc_cli/megatron_flags.py
             check_megatron(raw["megatron"], raw.value_loc("megatron"), self.config_raw)
         exprs = {k: e for k in self.config_raw if (e := whole_expression(self.config_raw[k])) is not None}
@@ -209,14 +209,14 @@ class _Builder:
     def _str(self, d: LDict, key: str) -> str:
         v = self.value(d[key], d.value_loc(key))
         if not isinstance(v, str):
-            raise SpecError(d.value_loc(key), f"'{key}' must be a string, got {_kind(v)}")
+            raise SpecError(d.value_loc(key), f"'{key}' must be a string, got {kind_of(v)}")
         return v
 
     # -- modules --
     def _module(self, name: str, raw, loc: Loc, name_loc: Loc) -> ModuleDef:
         if not isinstance(raw, LDict):
-            raise SpecError(loc, f"module '{name}' must be a mapping with 'submodules' and 'forward', got {_kind(raw)}")
-        _check_keys(raw, MODULE_KEYS, f"in module '{name}'")
+            raise SpecError(loc, f"module '{name}' must be a mapping with 'submodules' and 'forward', got {kind_of(raw)}")
+        check_keys(raw, MODULE_KEYS, f"in module '{name}'")
         for key in ("forward",):
             if key not in raw:
                 raise SpecError(name_loc, f"module '{name}' is missing required key '{key}'",
@@ -224,7 +224,7 @@ class _Builder:
         inputs = self._name_list(raw, "inputs", "input")
         subs_raw = raw.get("submodules", LDict())
         if not isinstance(subs_raw, LDict):
-            raise SpecError(raw.value_loc("submodules"), f"'submodules' must be a mapping, got {_kind(subs_raw)}",
+            raise SpecError(raw.value_loc("submodules"), f"'submodules' must be a mapping, got {kind_of(subs_raw)}",
                             "write one 'name: {op: ...}' or 'name: {module: ...}' per line, without '-'"
                             if isinstance(subs_raw, LList) else "")
         subs = {}
@@ -242,12 +242,12 @@ class _Builder:
         if "recompute" in raw:
             value = self.value(raw["recompute"], raw.value_loc("recompute"))
             if value not in RECOMPUTE:
-                got = f"'{_clip(value)}'" if isinstance(value, str) else _kind(value)
+                got = f"'{clip(value)}'" if isinstance(value, str) else kind_of(value)
                 raise SpecError(raw.value_loc("recompute"), f"'recompute' must be one of {', '.join(RECOMPUTE)}, "
                                 f"got {got}", did_you_mean(value, RECOMPUTE, listed=True) if isinstance(value, str) else
                                 "full: recompute the whole module from its inputs; selective: its attention core")
             module.recompute, module.recompute_loc = value, raw.value_loc("recompute")
-        _check_dataflow(module)
+        check_dataflow(module)
         return module
 
     def _patterned(self, name: str, raw: LDict, repeat: int | None) -> Ref:
@@ -263,7 +263,7 @@ class _Builder:
         table = raw["modules"]
         if not isinstance(table, LDict) or not table:
             raise SpecError(raw.value_loc("modules"), f"'modules' must be a non-empty mapping of pattern keys to module "
-                            f"names, got {_kind(table)}", "e.g. modules: {M: MambaLayer, '*': AttentionLayer}")
+                            f"names, got {kind_of(table)}", "e.g. modules: {M: MambaLayer, '*': AttentionLayer}")
         kinds = {str(k): self._str(table, k) for k in table}
         pattern = self.value(raw["pattern"], raw.value_loc("pattern"))
         at = raw.value_loc("pattern")
@@ -272,12 +272,12 @@ class _Builder:
         elif isinstance(pattern, list) and all(isinstance(k, str) for k in pattern):
             keys = list(pattern)
         else:
-            raise SpecError(at, f"'pattern' must be a string (one character a layer) or a list of keys, got {_kind(pattern)}")
+            raise SpecError(at, f"'pattern' must be a string (one character a layer) or a list of keys, got {kind_of(pattern)}")
         if not 1 <= len(keys) <= MAX_REPEAT:
             raise SpecError(at, f"'pattern' names {len(keys)} layers; it must name between 1 and {MAX_REPEAT}")
         for i, key in enumerate(keys):
             if key not in kinds:
-                raise SpecError(at, f"pattern entry {_clip(key)!r} (layer {i}) is not a key of 'modules'",
+                raise SpecError(at, f"pattern entry {clip(key)!r} (layer {i}) is not a key of 'modules'",
                                 did_you_mean(key, kinds))
         if repeat is not None and repeat != len(keys):
             raise SpecError(raw.value_loc("repeat"), f"repeat={repeat}, but 'pattern' names {len(keys)} layers",
@@ -289,7 +289,7 @@ class _Builder:
     def _name_list(self, raw: LDict, key: str, what: str) -> list:
         items = raw.get(key, LList())
         if not isinstance(items, LList):
-            raise SpecError(raw.value_loc(key), f"'{key}' must be a list of names, got {_kind(items)}",
+            raise SpecError(raw.value_loc(key), f"'{key}' must be a list of names, got {kind_of(items)}",
                             f"e.g. {key}: [x, y]")
         seen = set()
         for i, n in enumerate(items):
@@ -301,12 +301,12 @@ class _Builder:
 
     def _submodule(self, name: str, raw, loc: Loc):
         if not isinstance(raw, LDict):
-            raise SpecError(loc, f"submodule '{name}' must be a mapping with 'op:' or 'module:', got {_kind(raw)}")
+            raise SpecError(loc, f"submodule '{name}' must be a mapping with 'op:' or 'module:', got {kind_of(raw)}")
         for ref in ("module", "modules"):
             if "op" in raw and ref in raw:
                 raise SpecError(raw.key_loc(ref), f"submodule '{name}' has both 'op' and '{ref}'", "use one of them")
         if "module" in raw or "modules" in raw:
-            _check_keys(raw, REF_KEYS, f"in submodule '{name}'")
+            check_keys(raw, REF_KEYS, f"in submodule '{name}'")
             repeat = None
             if "repeat" in raw:
                 repeat = self._int(raw["repeat"], raw.value_loc("repeat"), "repeat")
@@ -354,25 +354,25 @@ class _Builder:
             value = self._int(value, loc, attr.name, evaluated=True)
         elif attr.type == "float":
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                got = f"the string '{_clip(value)}'" if isinstance(value, str) else _kind(value)
+                got = f"the string '{clip(value)}'" if isinstance(value, str) else kind_of(value)
                 raise SpecError(loc, f"'{attr.name}' must be a number, got {got}", _number_hint(value))
             value = float(value)
             if not math.isfinite(value):
                 raise SpecError(loc, f"'{attr.name}' must be a finite number, got {value}")
         elif attr.type == "bool":
             if not isinstance(value, bool):
-                got = f"the string '{_clip(value)}'" if isinstance(value, str) else _kind(value)
+                got = f"the string '{clip(value)}'" if isinstance(value, str) else kind_of(value)
                 raise SpecError(loc, f"'{attr.name}' must be true or false, got {got}", "write true or false, unquoted")
         elif attr.type == "str":
             if not isinstance(value, str):
-                raise SpecError(loc, f"'{attr.name}' must be a string, got {_kind(value)}")
+                raise SpecError(loc, f"'{attr.name}' must be a string, got {kind_of(value)}")
             value = str(value)
             if attr.choices and value not in attr.choices:
                 raise SpecError(loc, f"'{attr.name}' must be one of {', '.join(attr.choices)}, got '{value}'",
                                 did_you_mean(value, attr.choices, listed=True))
         elif attr.type == "int_list":
             if not isinstance(value, list) or not value:
-                raise SpecError(loc, f"'{attr.name}' must be a non-empty list of integers, got {_kind(value)}")
+                raise SpecError(loc, f"'{attr.name}' must be a non-empty list of integers, got {kind_of(value)}")
             items = raw if isinstance(raw, LList) else None
             out = []
             for i, x in enumerate(value):
@@ -386,10 +386,10 @@ class _Builder:
             value = tuple(out)
         elif attr.type == "float_list":
             if not isinstance(value, list) or not value:
-                raise SpecError(loc, f"'{attr.name}' must be a non-empty list of numbers, got {_kind(value)}")
+                raise SpecError(loc, f"'{attr.name}' must be a non-empty list of numbers, got {kind_of(value)}")
             bad = [x for x in value if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)]
             if bad:
-                raise SpecError(loc, f"'{attr.name}' entries must be finite numbers, got {_clip(bad[0])}")
+                raise SpecError(loc, f"'{attr.name}' entries must be finite numbers, got {clip(bad[0])}")
             value = tuple(float(x) for x in value)
         if attr.minimum is not None and isinstance(value, (int, float)) and value < attr.minimum:
             raise SpecError(loc, f"'{attr.name}' must be at least {attr.minimum}, got {value}")
@@ -398,7 +398,7 @@ class _Builder:
     def _int(self, raw, loc: Loc, what: str, evaluated: bool = False) -> int:
         value = raw if evaluated else self.value(raw, loc)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            got = f"the string '{_clip(value)}'" if isinstance(value, str) else _kind(value)
+            got = f"the string '{clip(value)}'" if isinstance(value, str) else kind_of(value)
             raise SpecError(loc, f"'{what}' must be an integer, got {got}", _number_hint(value))
         if isinstance(value, float):
             if not value.is_integer():
@@ -411,8 +411,8 @@ class _Builder:
     # -- the root --
     def _model(self, raw, loc: Loc, modules: dict):
         if not isinstance(raw, LDict):
-            raise SpecError(loc, f"'model' must be a mapping with 'module' and 'inputs', got {_kind(raw)}")
-        _check_keys(raw, MODEL_KEYS, "in 'model'")
+            raise SpecError(loc, f"'model' must be a mapping with 'module' and 'inputs', got {kind_of(raw)}")
+        check_keys(raw, MODEL_KEYS, "in 'model'")
         if "module" not in raw:
             raise SpecError(raw.loc, "'model' is missing 'module'", "name the root module, e.g. module: GPTModel")
         root = self._str(raw, "module")
@@ -436,18 +436,18 @@ class _Builder:
     def _input(self, name: str, raw, loc: Loc) -> ModelInput:
         if not isinstance(raw, LDict):
             raise SpecError(loc, f"input '{name}' must be a mapping {{shape: [...], dtype: ...}}")
-        _check_keys(raw, {"shape", "dtype"}, f"in input '{name}'")
+        check_keys(raw, {"shape", "dtype"}, f"in input '{name}'")
         if "shape" not in raw:
             raise SpecError(raw.loc, f"input '{name}' is missing 'shape'")
         shape_raw = raw["shape"]
         if not isinstance(shape_raw, LList) or not shape_raw:
-            raise SpecError(raw.value_loc("shape"), f"'shape' must be a non-empty list, got {_kind(shape_raw)}")
+            raise SpecError(raw.value_loc("shape"), f"'shape' must be a non-empty list, got {kind_of(shape_raw)}")
         dims = []
         for i, d in enumerate(shape_raw):
             dloc = shape_raw.item_loc(i)
             if isinstance(d, str) and not has_interpolation(d):
                 if not d.isidentifier() or (d not in self.config_raw and d not in self._builtins()):
-                    raise SpecError(dloc, f"shape entry '{_clip(d)}' is not a config name",
+                    raise SpecError(dloc, f"shape entry '{clip(d)}' is not a config name",
                                     did_you_mean(d, list(self.config_raw) + list(self._builtins())))
                 d = self.lookup(d, dloc)
             d = self._int(self.value(d, dloc), dloc, "shape", evaluated=True)
@@ -479,306 +479,3 @@ def _number_hint(value) -> str:
     if "e" in value.lower():  # YAML 1.1 floats need a dot and a signed exponent
         return f"YAML reads '{value}' as a string: write exponents with a dot and a sign, e.g. 1.0e-5 or 6.4e+1"
     return "write a number or ${expression}"
-
-
-def _clip(text, n: int = 40) -> str:
-    text = str(text)
-    return text if len(text) <= n else text[: n - 3] + "..."
-
-
-def _kind(v) -> str:
-    if isinstance(v, bool):
-        return "a boolean"
-    if v is None:
-        return "nothing (null)"
-    return {int: "an integer", float: "a number", str: "a string", LStr: "a string", list: "a list", LList: "a list",
-            dict: "a mapping", LDict: "a mapping"}.get(type(v), type(v).__name__)
-
-
-def _check_keys(d: LDict, allowed, where: str) -> None:
-    for key in d:
-        if key not in allowed:
-            raise SpecError(d.key_loc(key), f"unknown key '{key}' {where}", did_you_mean(key, allowed))
-
-
-def _check_dataflow(m: ModuleDef) -> None:
-    """Every name defined before use, every callee a submodule, one final return."""
-    defined = {n: m.loc for n in m.inputs}
-    used_subs = set()
-    for i, step in enumerate(m.steps):
-        if step.expr is None:
-            if i != len(m.steps) - 1:
-                raise SpecError(m.steps[i + 1].loc, "step after 'return' is never run", "return must be the last step")
-            for n in step.returns:
-                if n not in defined:
-                    raise SpecError(step.loc, f"return of undefined variable '{n}'", did_you_mean(n, defined))
-            m.returns = list(step.returns)
-            continue
-        _check_expr(step.expr, m, defined, used_subs, step, i)
-        for t in step.targets:
-            defined[t] = step.loc
-    if not m.steps or m.steps[-1].expr is not None:
-        raise SpecError(m.steps[-1].loc if m.steps else m.loc, f"module '{m.name}' does not end with a 'return' step",
-                        "add e.g. 'return y'")
-    for name, sub in m.submodules.items():
-        if name not in used_subs:
-            raise SpecError(sub.name_loc or sub.loc, f"submodule '{name}' is never called in {m.name}'s forward",
-                            "call it in a step or remove it")
-
-
-def _check_expr(e, m: ModuleDef, defined: dict, used_subs: set, step, index: int) -> None:
-    if e.kind == "var":
-        if e.name not in defined:
-            later = [s for s in m.steps[index:] if e.name in s.targets]
-            hint = ("it is assigned only at a later step: dataflow must not form a cycle" if later
-                    else did_you_mean(e.name, defined))
-            raise SpecError(e.loc, f"undefined variable '{e.name}'", hint)
-        return
-    for a in e.args:
-        _check_expr(a, m, defined, used_subs, step, index)
-    if e.kind == "call":
-        if e.name not in m.submodules:
-            raise SpecError(e.loc, f"'{e.name}' is not a submodule of {m.name}", did_you_mean(e.name, m.submodules))
-        used_subs.add(e.name)
-
-
-def _check_module_graph(modules: dict, root: str) -> None:
-    """Module references must exist, agree in arity, and not contain themselves."""
-    for m in modules.values():
-        for sub in m.submodules.values():
-            for target in (sub.modules() if isinstance(sub, Ref) else ()):
-                if target not in modules:
-                    raise SpecError(sub.module_locs.get(target, sub.loc), f"undefined module '{target}'",
-                                    did_you_mean(target, modules))
-    state: dict = {}
-    ops: dict = {}  # module -> ops in one instance, repeats expanded
-
-    def visit(name: str, path: list, loc):
-        if state.get(name) == "active":
-            raise SpecError(loc, "cycle in module references: " + " -> ".join(path + [name]),
-                            "a module cannot contain itself")
-        if state.get(name) == "done":
-            return
-        if len(path) >= MAX_MODULE_DEPTH:
-            raise SpecError(loc, f"modules are nested more than {MAX_MODULE_DEPTH} deep")
-        state[name] = "active"
-        count = sum(len(step.targets) or 1 for step in modules[name].steps)  # builtins (+, *) count too
-        for sub in modules[name].submodules.values():
-            if isinstance(sub, Ref):
-                for target in sub.modules():
-                    visit(target, path + [name], sub.module_locs.get(target, sub.loc))
-                count += sum(ops[sub.module_at(i)] for i in range(sub.repeat)) if sub.layer_modules else \
-                    ops[sub.module] * (sub.repeat or 1)
-                if count > MAX_OPS:
-                    raise SpecError(sub.loc, f"the model expands to more than {MAX_OPS:,} ops",
-                                    "check 'repeat' and the sizes it comes from")
-        ops[name] = count
-        state[name] = "done"
-
-    visit(root, [], modules[root].loc)
-    for m in modules.values():
-        for step in m.steps:
-            if step.expr is not None:
-                _check_arity(step.expr, step.targets, m, modules, top=True)
-
-
-def _check_arity(e, targets, m: ModuleDef, modules: dict, top: bool) -> None:
-    if e.kind == "var":
-        if top and len(targets) != 1:
-            raise SpecError(e.loc, f"cannot unpack one value into {len(targets)} names")
-        return
-    for a in e.args:
-        _check_arity(a, [None], m, modules, top=False)
-    if e.kind in ("add", "mul"):
-        if len(targets) != 1:
-            raise SpecError(e.loc, f"'{'+' if e.kind == 'add' else '*'}' gives one value, not {len(targets)}")
-        return
-    sub = m.submodules[e.name]
-    if isinstance(sub, Ref):
-        for target in sub.modules():
-            callee = modules[target]
-            n_in, n_out = len(callee.inputs), len(callee.returns)
-            if sub.repeat is not None and (n_in < 1 or n_out != 1):
-                raise SpecError(sub.loc, f"repeated module '{target}' must take at least one input and return one value",
-                                f"it takes {n_in} and returns {n_out}; the first input is threaded through the layers, "
-                                "the others (a padding mask) reach every layer unchanged")
-            first = modules[sub.module]
-            if n_in != len(first.inputs):
-                raise SpecError(sub.module_locs.get(target, sub.loc), f"the layers of '{sub.name}' take different inputs: "
-                                f"'{first.name}' takes {len(first.inputs)}, '{target}' takes {n_in}",
-                                "every module of a pattern takes the value threaded through the layers (and the same side inputs)")
-        lo, hi = n_in, n_in
-    else:
-        kind = SPEC_OPS[sub.op]
-        lo, hi = kind.n_inputs
-        n_out = kind.out_count(sub.attrs)
-    if not lo <= len(e.args) <= hi:
-        want = str(lo) if lo == hi else f"{lo} to {hi}"
-        raise SpecError(e.loc, f"'{e.name}' takes {want} input(s), got {len(e.args)}")
-    if len(targets) != n_out:
-        raise SpecError(e.loc, f"'{e.name}' returns {n_out} value(s), but {len(targets)} name(s) receive them"
-                        if top else f"'{e.name}' returns {n_out} values and cannot be nested in an expression")
-
-
-# -- the Hugging Face mapping (`hf:`), read by specc_torch/hf and `specc hf import|export` ------------
-
-HF_KEYS = {"architecture", "config", "export_config", "import_config", "import_defaults", "rotary", "params", "ignore", "layer_types"}
-HF_PARAM_KEYS = {"specc", "hf", "transpose", "rotary", "permute"}
-HF_ROTARY_LAYOUTS = ("rotate_half", "interleaved")
-
-
-def _check_hf(hf, loc: Loc, value) -> None:
-    """Check the structure of an `hf:` block (docs/checkpoints.md), with located errors; `value`
-    evaluates ${...} in config values. Which parameters it names is checked against the compiled
-    model when it is used."""
-    if not isinstance(hf, LDict):
-        raise SpecError(loc, f"'hf' must be a mapping, got {_kind(hf)}", "e.g. hf: {architecture: ..., params: [...]}")
-    _check_keys(hf, HF_KEYS, "in 'hf'")
-    if "architecture" in hf and not isinstance(hf["architecture"], str):
-        raise SpecError(hf.value_loc("architecture"), f"'architecture' must be a string, got {_kind(hf['architecture'])}",
-                        "the Hugging Face class, e.g. LlamaForCausalLM")
-    for key in ("config", "export_config", "import_config", "import_defaults"):
-        if key in hf:
-            _hf_config(hf[key], hf.value_loc(key), key, value)
-    if "rotary" in hf:
-        rotary = hf["rotary"]
-        if not isinstance(rotary, LDict):
-            raise SpecError(hf.value_loc("rotary"), f"'rotary' must be a mapping, got {_kind(rotary)}",
-                            "e.g. rotary: {layout: rotate_half}")
-        _check_keys(rotary, {"layout", "head_dim"}, "in 'hf.rotary'")
-        layout = rotary.get("layout")
-        if layout not in HF_ROTARY_LAYOUTS:
-            raise SpecError(rotary.value_loc("layout") if "layout" in rotary else rotary.loc,
-                            f"'rotary.layout' must be one of {', '.join(HF_ROTARY_LAYOUTS)}, got {_clip(layout)!r}",
-                            "how the Hugging Face q/k weights order each head's rotary pairs")
-        if layout == "interleaved" or "head_dim" in rotary:
-            dim = value(rotary["head_dim"], rotary.value_loc("head_dim")) if "head_dim" in rotary else None
-            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
-                raise SpecError(rotary.value_loc("head_dim") if "head_dim" in rotary else rotary.loc,
-                                f"'rotary.head_dim' must be an even integer, got {_kind(dim)}", "e.g. head_dim: ${head_dim}")
-    if "layer_types" in hf:
-        _hf_layer_types(hf["layer_types"], hf.value_loc("layer_types"))
-    if "params" in hf:
-        _hf_params(hf["params"], hf.value_loc("params"), value)
-    if "ignore" in hf:
-        ignore = hf["ignore"]
-        if not isinstance(ignore, LList):
-            raise SpecError(hf.value_loc("ignore"), f"'ignore' must be a list of names, got {_kind(ignore)}")
-        for i, name in enumerate(ignore):
-            _hf_name(name, ignore.item_loc(i), "an ignored name")
-
-
-def _hf_layer_types(raw, loc: Loc) -> None:
-    """hf.layer_types: {key: a config.json key, names: {spec module: its name there}}: the list of
-    layer kinds config.json gives under `key`, one per layer of the repeated block."""
-    if not isinstance(raw, LDict):
-        raise SpecError(loc, f"'layer_types' must be a mapping, got {_kind(raw)}",
-                        "e.g. layer_types: {key: layer_types, names: {MambaLayer: mamba, AttentionLayer: attention}}")
-    _check_keys(raw, {"key", "names"}, "in 'hf.layer_types'")
-    for key in ("key", "names"):
-        if key not in raw:
-            raise SpecError(raw.loc, f"'hf.layer_types' needs '{key}'")
-    if not isinstance(raw["key"], str) or not raw["key"]:
-        raise SpecError(raw.value_loc("key"), f"'layer_types.key' must be a config.json key, got {_kind(raw['key'])}")
-    names = raw["names"]
-    if not isinstance(names, LDict) or not names:
-        raise SpecError(raw.value_loc("names"), "'layer_types.names' must map spec modules to Hugging Face layer kinds")
-    for module, kind in names.items():
-        if not isinstance(kind, str):
-            raise SpecError(names.value_loc(module), f"the layer kind of {module} must be a string, got {_kind(kind)}")
-
-
-def _hf_config(cfg, loc: Loc, key: str, value) -> None:
-    if not isinstance(cfg, LDict):
-        raise SpecError(loc, f"'{key}' must be a mapping of Hugging Face config keys, got {_kind(cfg)}")
-    for k, v in cfg.items():
-        if isinstance(v, LDict):
-            _hf_config(v, cfg.value_loc(k), f"{key}.{k}", value)
-        else:
-            value(v, cfg.value_loc(k))
-
-
-def _hf_name(name, loc: Loc, what: str, experts: bool = False) -> set:
-    """A parameter name pattern; its placeholders ({i}, a layer index; in hf names also {e}, an
-    expert index: the per-expert tensors stacked into the specc parameter's expert dim)."""
-    if not isinstance(name, str) or not name:
-        raise SpecError(loc, f"{what} must be a non-empty string, got {_kind(name)}")
-    rest = name.replace("{i}", "").replace("{e}", "") if experts else name.replace("{i}", "")
-    if "{" in rest or "}" in rest:
-        allowed = "{i} or {e}" if experts else "{i}"
-        raise SpecError(loc, f"{what} '{_clip(name)}' has a placeholder other than {allowed}",
-                        "{i} stands for a layer index, e.g. layers.{i}.mlp.linear_fc1.weight"
-                        + ("; {e} for an expert index in hf names" if experts else ""))
-    return {h for h in ("i", "e") if "{" + h + "}" in name}
-
-
-def _hf_params(params, loc: Loc, value) -> None:
-    if not isinstance(params, LList):
-        raise SpecError(loc, f"'params' must be a list, got {_kind(params)}",
-                        "one entry per parameter: - {specc: NAME, hf: HF_NAME}")
-    seen = set()
-    for n, entry in enumerate(params):
-        at = params.item_loc(n)
-        if not isinstance(entry, LDict):
-            raise SpecError(at, f"each 'params' entry must be a mapping, got {_kind(entry)}",
-                            "e.g. - {specc: embedding.weight, hf: model.embed_tokens.weight}")
-        _check_keys(entry, HF_PARAM_KEYS, "in an 'hf.params' entry")
-        for key in ("specc", "hf"):
-            if key not in entry:
-                raise SpecError(at, f"'hf.params' entry is missing '{key}'",
-                                "e.g. - {specc: embedding.weight, hf: model.embed_tokens.weight}")
-        holes = _hf_name(entry["specc"], entry.value_loc("specc"), "the specc name")
-        if entry["specc"] in seen:
-            raise SpecError(entry.value_loc("specc"), f"'{_clip(entry['specc'])}' is mapped twice")
-        seen.add(entry["specc"])
-        names = entry["hf"]
-        if isinstance(names, LList):
-            if not names:
-                raise SpecError(entry.value_loc("hf"), "'hf' must name at least one tensor")
-            items = [(x, names.item_loc(i)) for i, x in enumerate(names)]
-        else:
-            items = [(names, entry.value_loc("hf"))]
-        expert_holes = set()
-        for name, name_loc in items:
-            hf_holes = _hf_name(name, name_loc, "the hf name", experts=True)
-            if hf_holes - {"e"} != holes:
-                raise SpecError(name_loc, f"'{_clip(name)}' and '{_clip(entry['specc'])}' must both have {{i}} or neither",
-                                "{i} is the layer index on both sides")
-            expert_holes.add("e" in hf_holes)
-        if len(expert_holes) > 1:
-            raise SpecError(entry.value_loc("hf"), "either every hf name of an entry has {e} or none",
-                            "{e} stacks one tensor per expert into the parameter's expert dim")
-        if "transpose" in entry and not isinstance(entry["transpose"], bool):
-            raise SpecError(entry.value_loc("transpose"), f"'transpose' must be true or false, got {_kind(entry['transpose'])}")
-        if "rotary" in entry:
-            flags = entry["rotary"]
-            ok = isinstance(flags, bool) if not isinstance(names, LList) else (
-                isinstance(flags, LList) and len(flags) == len(names) and all(isinstance(f, bool) for f in flags))
-            if not ok:
-                raise SpecError(entry.value_loc("rotary"), "'rotary' must be true/false, or a list of true/false with "
-                                "one per 'hf' name", "which tensors hold rotary q/k heads")
-        if "permute" in entry:
-            _hf_permute(entry["permute"], entry.value_loc("permute"), value)
-
-
-PERMUTE_HINT = "e.g. permute: {groups: ${num_attention_heads}, sections: [${head_dim}, ${head_dim}, ${head_dim}]}"
-
-
-def _hf_permute(permute, loc: Loc, value) -> None:
-    """`permute: {groups: G, sections: [a, b, ...]}`: the HF tensor's rows are G groups of
-    [a | b | ...] (GPT-NeoX's per-head [q_h | k_h | v_h]); specc's are [all a | all b | ...]."""
-    if not isinstance(permute, LDict):
-        raise SpecError(loc, f"'permute' must be a mapping, got {_kind(permute)}", PERMUTE_HINT)
-    _check_keys(permute, {"groups", "sections"}, "in 'permute'")
-    for key in ("groups", "sections"):
-        if key not in permute:
-            raise SpecError(loc, f"'permute' is missing '{key}'", PERMUTE_HINT)
-    groups = value(permute["groups"], permute.value_loc("groups"))
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-        raise SpecError(permute.value_loc("groups"), f"'permute.groups' must be a positive integer, got {_kind(groups)}",
-                        PERMUTE_HINT)
-    sections = value(permute["sections"], permute.value_loc("sections"))
-    if not isinstance(sections, list) or not sections or any(
-            isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sections):
-        raise SpecError(permute.value_loc("sections"), "'permute.sections' must be a non-empty list of positive "
-                        f"integers, got {_clip(sections)}", PERMUTE_HINT)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import yaml
 
-from ..errors import Loc, SpecError
+from ..errors import Loc, SpecError, did_you_mean
 
 MAX_BYTES = 1 << 20  # a spec is a page of text; a megabyte is already absurd
 MAX_NODES = 200_000  # values after alias expansion
@@ -299,3 +299,25 @@ class _Converter:
         raise SpecError(loc, f"unsupported YAML value of type {type(value).__name__}",
                         "quote it if it is meant as a string" if node.tag.endswith(("timestamp", "binary"))
                         else "use strings, numbers, booleans, lists and mappings")
+
+
+# -- describing a spec's values in its errors ------------------------------------------------
+
+def clip(text, n: int = 40) -> str:
+    text = str(text)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def kind_of(v) -> str:
+    if isinstance(v, bool):
+        return "a boolean"
+    if v is None:
+        return "nothing (null)"
+    return {int: "an integer", float: "a number", str: "a string", LStr: "a string", list: "a list", LList: "a list",
+            dict: "a mapping", LDict: "a mapping"}.get(type(v), type(v).__name__)
+
+
+def check_keys(d: LDict, allowed, where: str) -> None:
+    for key in d:
+        if key not in allowed:
+            raise SpecError(d.key_loc(key), f"unknown key '{key}' {where}", did_you_mean(key, allowed))
