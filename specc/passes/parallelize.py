@@ -47,6 +47,35 @@ def parallelize(g: Graph, settings) -> None:
             done = _insert_path(g, value, axis, I, "", before=None, ctx=ctxs[axis], converted=converted)
             g.outputs = [done if v == vid else v for v in g.outputs]
             g.rebind(vid, done, "")
+    _check_shared_weight_uses(g)
+
+
+def _check_shared_weight_uses(g: Graph) -> None:
+    """A weight that several calls share (a submodule called twice) has one gradient, which the
+    runtime all-reduces over an axis when a use leaves it partial there. A use on values that
+    every rank of that axis holds whole gives every rank all of its gradient, which that all-reduce
+    would count once per rank: refused, naming both uses, since no per-use gradient scaling exists."""
+    ops = [op for op in g.iter_ops() if op.inputs and not OPS[op.kind].converts()]
+    # a weight another op applies (a row-parallel linear's bias, added by its bias op) is that op's use
+    applied_elsewhere = {(op.scope, OPS[op.kind].owner(op), w.name) for op in ops
+                         for w in OPS[op.kind].shared_weights(op.attrs)}
+    uses: dict = {}  # (scope, owner submodule, weight) -> [op]
+    for op in ops:
+        kind = OPS[op.kind]
+        for w in kind.shared_weights(op.attrs) + [w for w in kind.weights(op.attrs)
+                                                  if (op.scope, kind.owner(op), w.name) not in applied_elsewhere]:
+            uses.setdefault((op.scope, kind.owner(op), w.name), []).append(op)
+    for (_, owner, weight), users in uses.items():
+        for axis in g.mesh.active:
+            partial = [op for op in users if weight in op.partial_grads.get(axis, ())]
+            whole = [op for op in users if weight not in op.partial_grads.get(axis, ())]
+            if partial and whole:
+                first, here = partial[0], whole[0]
+                raise SpecError(here.loc, f"'{owner}' is called here on {here.in_layouts[0]} values, where every "
+                                f"{axis} rank gets all of its {weight}'s gradient, and at line {first.loc.line} on "
+                                f"{first.in_layouts[0]} values, where its {weight} gets a partial gradient that is "
+                                f"all-reduced over {axis}: that sum would count this call {g.mesh.size(axis)} times",
+                                "give each call its own submodule")
 
 
 def _propagate_units(g: Graph, ctx: Ctx) -> None:
