@@ -9,6 +9,7 @@ import json
 import math
 import os
 import platform
+import time
 
 import pytest
 import torch
@@ -257,7 +258,7 @@ def test_reporter_writes_jsonl_tensorboard_and_megatron_lines(tmp_path):
             "lm loss validation ppl vs samples"} <= set(samples.Tags()["scalars"])
 
 
-def test_a_resumed_run_replaces_its_tensorboard_scalars_after_the_checkpoint(tmp_path):
+def test_a_resumed_run_replaces_its_tensorboard_scalars_after_the_checkpoint(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     def record(rep, its, base):
@@ -268,6 +269,11 @@ def test_a_resumed_run_replaces_its_tensorboard_scalars_after_the_checkpoint(tmp
 
     quiet = dict(stream=io.StringIO(), bar_stream=io.StringIO())
     record(Reporter(str(tmp_path), 4, 2, **quiet), range(1, 5), 5.0)
+    # TensorBoard reads a folder's event files in name order: the creation second, host, pid and a
+    # per-process counter, which sorts '10' before '9'. A resumed run is a later process; here it is
+    # the same one within the same second, so it is given a later second as a restart would have.
+    later = time.time() + 60
+    monkeypatch.setattr(time, "time", lambda: later)
     resumed = Reporter(str(tmp_path), 4, 2, append=True, **quiet)
     resumed.resume(2, 4)  # from a checkpoint at iteration 2 (4 samples): 3 and 4 again, with other losses
     record(resumed, range(3, 5), 10.0)
