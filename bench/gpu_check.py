@@ -228,7 +228,7 @@ def check_bench(device: str, spec: str, micro_batch: int, steps: int, gemm_n: in
     from specc.plan.render import plan_dict
     from specc.settings import Settings
     from specc_torch.api import compile_source
-    from specc_torch.train import compile_model
+    from specc_torch.train_compile import compile_model
 
     bf16 = device == "cuda"
     cfg = TrainConfig(spec=os.path.join(ROOT, spec), overrides=overrides, parallel=ParallelConfig(),

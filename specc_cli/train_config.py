@@ -16,7 +16,8 @@ from runtime.train.config import (
     TrainConfig,
 )
 from specc.settings import Settings
-from specc_torch.train import Launch, spec_stem
+from specc_torch.train import Launch
+from specc_torch.train_compile import spec_stem
 
 from .args import MEGATRON_NOTES, overrides_from, recompute_from
 

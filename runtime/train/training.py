@@ -1,5 +1,5 @@
 """The training loop, Megatron's shape in small: setup_model_and_optimizer builds the compiled
-model (from the generated source and spec the caller compiled: specc_torch.train.compile_model),
+model (from the generated source and spec the caller compiled: specc_torch.train_compile.compile_model),
 its DistributedDataParallel wrapper and the optimizer; train owns the iterations, logging,
 evaluation and checkpoints; train_step runs one global batch (gradient accumulation over
 micro-batches) through a forward_step function chosen per model type; evaluate averages the
@@ -86,7 +86,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch.device | None = None, *,
                               compiled: tuple, model_file: str | None = None) -> Setup:
     """compiled: (generated model source, compiled spec) of cfg's spec at cfg's parallel settings
-    (specc_torch.train.compile_model(cfg)); the loop compiles nothing itself. model_file: that
+    (specc_torch.train_compile.compile_model(cfg)); the loop compiles nothing itself. model_file: that
     source written to a file (the run directory's model.py), imported from there so that a
     traceback inside the model shows its lines."""
     device = device or torch.device("cpu")

@@ -1,6 +1,6 @@
 """`specc train --load MEGATRON_DIR --finetune`: a Megatron Core save directory (or one iter_N/
 folder, torch_dist or legacy) as a run's starting weights, checked with the run's other rules
-(specc_torch/train.py check) and converted before the model loads; and `specc train --save DIR
+(specc_torch/train_checks.py check) and converted before the model loads; and `specc train --save DIR
 --ckpt-format torch_dist`: each save also as Megatron's torch_dist iter_N/ beside specc's own
 step_N/ in DIR (docs/training.md#checkpoints)."""
 

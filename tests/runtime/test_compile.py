@@ -98,7 +98,7 @@ def test_train_flag_compiles_the_layers_of_the_training_model():
     from runtime.train.training import setup_model_and_optimizer, train_step
     from specc_cli.train_args import build_rank_parser
     from specc_cli.train_config import config_from_args
-    from specc_torch.train import compile_model
+    from specc_torch.train_compile import compile_model
 
     argv = [os.path.join(ROOT, "specs", "gpt-tiny.yaml"), "--micro-batch-size", "2", "--device", "cpu"]
     losses = []

@@ -13,7 +13,7 @@ import pytest
 
 import specc_cli.rank
 import specc_cli.train_config
-import specc_torch.train
+import specc_torch.train_compile
 from specc.compiler import load_and_compile
 from specc.errors import SpecError
 from specc.frontend.megatron import FLAG
@@ -70,8 +70,8 @@ def test_every_flag_a_shipped_spec_maps_resolves_alike_in_plan_and_train(resolve
 def test_plan_and_train_compile_the_same_config(resolve, spec, flags):
     plan, train, rank = resolve(spec, *flags)
     planned, _ = load_and_compile(plan.spec, settings_from(plan), overrides_from(plan))
-    trained = specc_torch.train.compile_model(train)[1]
-    assert planned.config == trained.config == specc_torch.train.compile_model(rank)[1].config
+    trained = specc_torch.train_compile.compile_model(train)[1]
+    assert planned.config == trained.config == specc_torch.train_compile.compile_model(rank)[1].config
     assert planned.config["head_dim"] == (8 if spec == LLAMA_TINY else 16)
     assert planned.config["norm_epsilon" if spec == LLAMA_TINY else "layernorm_epsilon"] == 1e-6
 

@@ -233,7 +233,7 @@ def test_a_spec_states_which_megatron_flags_change_nothing_in_its_model():
 
 def test_exit_duration_and_no_load_rng_rules(tmp_path):
     from runtime.train.config import TrainConfig, resolve
-    from specc_torch.train import _no_load_rng_rules
+    from specc_torch.train_checks import _no_load_rng_rules
 
     cfg = TrainConfig(spec="s.yaml", exit_duration_in_mins=-1.0)
     assert any("--exit-duration-in-mins must be" in e for e in resolve(cfg, 1))

@@ -58,7 +58,7 @@ def test_tp2_cp2_trains_and_its_checkpoint_loads_at_tp1_cp1_with_the_same_valida
 def test_the_context_parallel_flags_and_their_errors(specc, corpus, tmp_path):
     from specc_cli.train_args import build_rank_parser
     from specc_cli.train_config import config_from_args
-    from specc_torch.train import check
+    from specc_torch.train_checks import check
 
     # `torchrun -m specc_cli.rank` takes the same flags; the spec compiles for the CP size
     args = build_rank_parser().parse_args([GPT_TINY, "--cp", "2", "--cp-comm-type", "all_gather", "--data-path",

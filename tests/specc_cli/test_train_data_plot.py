@@ -54,7 +54,7 @@ def test_command_modules_do_not_import_torch():
 def test_megatrons_command_line_is_accepted_with_its_meaning(specc):
     from specc_cli.main import build_parser
     from specc_cli.train_config import config_from_args
-    from specc_torch.train import check
+    from specc_torch.train_checks import check
 
     args = build_parser().parse_args(["train", GPT_TINY, "--nproc-per-node", "2", *SEED_FLAGS])
     cfg = config_from_args(args)

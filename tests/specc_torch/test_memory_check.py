@@ -9,7 +9,7 @@ import sys
 
 import specc_torch.memory_check as memory_check
 from runtime.train.config import ParallelConfig, TrainConfig, resolve
-from specc_torch.train import compile_run
+from specc_torch.train_compile import compile_run
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")

@@ -14,7 +14,7 @@ import pytest
 from runtime.train.config import TrainConfig
 from specc_torch.hf import HFError
 from specc_torch.hf.files import fresh_output
-from specc_torch.train import output_rules
+from specc_torch.train_checks import output_rules
 
 MESSAGE = "not a regular file: only regular files are replaced, and it is left as it is"
 

@@ -8,7 +8,8 @@ import os
 import pytest
 
 from runtime.train.config import ParallelConfig, TrainConfig, resolve
-from specc_torch.train import compile_run, rank_flops
+from specc_torch.train import rank_flops
+from specc_torch.train_compile import compile_run
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 

@@ -100,7 +100,7 @@ def test_save_and_load_of_one_empty_directory_starts_fresh_then_resumes(specc, c
 # -- several ranks ---------------------------------------------------------------------------------
 
 def _claim(rank, world, save, restart, run_id):
-    from specc_torch.train import claim_save_dir
+    from specc_torch.train_checks import claim_save_dir
 
     old = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id is not None:

@@ -287,7 +287,7 @@ def test_the_plan_says_its_dtype_and_train_compiles_at_the_dtype_it_runs():
     from specc.plan import build_plan, plan_text
     from specc_cli.main import build_parser
     from specc_cli.train_config import config_from_args
-    from specc_torch.train import compile_model
+    from specc_torch.train_compile import compile_model
 
     spec = os.path.join(os.path.dirname(__file__), "..", "..", "..", "specs", "gpt-tiny.yaml")
     header = plan_text(build_plan(load_and_compile(spec, Settings())[1])).splitlines()[3]

@@ -24,7 +24,7 @@ from runtime.data import build_datasets
 from runtime.parallel_state import ProcessGroups
 from runtime.train.config import split_weights
 from runtime.train.training import evaluate, setup_model_and_optimizer
-from specc_torch.train import compile_model
+from specc_torch.train_compile import compile_model
 
 STEPS = 3
 

@@ -21,7 +21,7 @@ from runtime.ddp import DistributedDataParallel
 from runtime.grads import finalize_model_grads
 from runtime.parallel_state import ProcessGroups
 from runtime.train.training import micro_batch, setup_model_and_optimizer
-from specc_torch.train import compile_model
+from specc_torch.train_compile import compile_model
 
 STEPS = 3
 

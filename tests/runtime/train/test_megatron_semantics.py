@@ -27,7 +27,8 @@ from runtime.train.training import (
     setup_model_and_optimizer,
     train_step,
 )
-from specc_torch.train import compile_model, run
+from specc_torch.train import run
+from specc_torch.train_compile import compile_model
 
 VOCAB, SEQ = 256, 32
 

@@ -17,7 +17,8 @@ from train_helpers import make_corpus, tiny_config
 
 from runtime.parallel_state import ProcessGroups
 from runtime.train.config import resolve
-from specc_torch.train import compile_run, run
+from specc_torch.train import run
+from specc_torch.train_compile import compile_run
 
 FAKE_WANDB = '''
 import json, os

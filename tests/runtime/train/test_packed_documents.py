@@ -173,7 +173,7 @@ def test_a_training_step_reports_the_masked_loss_of_the_packed_documents():
     """The loop's path: micro_batch gives (tokens, position_ids, document_ids, labels, loss mask)
     and train_step reports Megatron's loss, the masked per-token losses over their count."""
     from runtime.train.training import setup_model_and_optimizer, train_step
-    from specc_torch.train import compile_model
+    from specc_torch.train_compile import compile_model
 
     class Data:
         def micro_batch(self, consumed, micro, mbs, dp_rank, dp_size):

@@ -14,7 +14,7 @@ from runtime.init import gather_full, local_slice
 from runtime.parallel_state import ProcessGroups
 from runtime.train.config import OptimizerConfig, ParallelConfig, TrainConfig, resolve, split_weights
 from runtime.train.training import micro_batch, reload_master_weights, setup_model_and_optimizer, train_step
-from specc_torch.train import compile_model
+from specc_torch.train_compile import compile_model
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 GPT_TINY = os.path.join(ROOT, "specs", "gpt-tiny.yaml")
