@@ -45,7 +45,10 @@ COMPILE_COMMAND = "specc compile specs/gpt.yaml"
 
 # the spec's config values that the expressions below name
 CONFIG = {
+    'vocab_size': 50304,
+    'hidden_size': 768,
     'num_layers': 12,
+    'seq_length': 1024,
     'init_std': 0.02,
 }
 
@@ -56,9 +59,9 @@ class SelfAttention(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_qkv = runtime.ColumnParallelLinear(768, 2304, bias=True, segments=[768, 768, 768], tp=self.tp, init_std=CONFIG["init_std"])
+        self.linear_qkv = runtime.ColumnParallelLinear(CONFIG["hidden_size"], 3 * CONFIG["hidden_size"], bias=True, segments=[768, 768, 768], tp=self.tp, init_std=CONFIG["init_std"])
         self.core_attention = runtime.CoreAttention(12, 12, 64, causal=True, dropout=0.0, backend="sdpa", rng_tracker=rng_tracker)
-        self.linear_proj = runtime.RowParallelLinear(768, 768, bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
+        self.linear_proj = runtime.RowParallelLinear(CONFIG["hidden_size"], CONFIG["hidden_size"], bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
 
     def forward(self, x):
         qkv = self.linear_qkv(x)
@@ -75,8 +78,8 @@ class MLP(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_fc1 = runtime.ColumnParallelLinear(768, 3072, bias=True, tp=self.tp, init_std=CONFIG["init_std"])
-        self.linear_fc2 = runtime.RowParallelLinear(3072, 768, bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
+        self.linear_fc1 = runtime.ColumnParallelLinear(CONFIG["hidden_size"], 4 * CONFIG["hidden_size"], bias=True, tp=self.tp, init_std=CONFIG["init_std"])
+        self.linear_fc2 = runtime.RowParallelLinear(4 * CONFIG["hidden_size"], CONFIG["hidden_size"], bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
 
     def forward(self, x):
         h = self.linear_fc1(x)
@@ -117,12 +120,12 @@ class GPTModel(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.embedding = runtime.VocabParallelEmbedding(50304, 768, tp=self.tp, init_std=CONFIG["init_std"])
-        self.position_embedding = runtime.PositionEmbedding(1024, 768, init_std=CONFIG["init_std"])
+        self.embedding = runtime.VocabParallelEmbedding(CONFIG["vocab_size"], CONFIG["hidden_size"], tp=self.tp, init_std=CONFIG["init_std"])
+        self.position_embedding = runtime.PositionEmbedding(CONFIG["seq_length"], CONFIG["hidden_size"], init_std=CONFIG["init_std"])
         self.embedding_dropout = runtime.Dropout(0.0, rng_tracker=rng_tracker, stream="default")
         self.layers = nn.ModuleList([TransformerLayer(pg, rng_tracker) for _ in range(12)])
         self.final_layernorm = runtime.LayerNorm(768, eps=1e-05)
-        self.output_layer = runtime.ColumnParallelLinear(768, 50304, bias=False, weight=self.embedding.weight, tp=self.tp, init_std=0.02)
+        self.output_layer = runtime.ColumnParallelLinear(CONFIG["hidden_size"], CONFIG["vocab_size"], bias=False, weight=self.embedding.weight, tp=self.tp, init_std=0.02)
 
     def forward(self, tokens, labels):
         embedding_out = self.embedding(tokens)

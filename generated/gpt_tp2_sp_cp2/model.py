@@ -46,7 +46,10 @@ COMPILE_COMMAND = "specc compile specs/gpt.yaml --tp 2 --sp --cp 2"
 
 # the spec's config values that the expressions below name
 CONFIG = {
+    'vocab_size': 50304,
+    'hidden_size': 768,
     'num_layers': 12,
+    'seq_length': 1024,
     'init_std': 0.02,
 }
 
@@ -58,9 +61,9 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.tp = pg.tp
         self.cp = pg.cp
-        self.linear_qkv = runtime.ColumnParallelLinear(768, 2304, bias=True, segments=[768, 768, 768], input_mode="gather", tp=self.tp, init_std=CONFIG["init_std"])
+        self.linear_qkv = runtime.ColumnParallelLinear(CONFIG["hidden_size"], 3 * CONFIG["hidden_size"], bias=True, segments=[768, 768, 768], input_mode="gather", tp=self.tp, init_std=CONFIG["init_std"])
         self.core_attention = runtime.CoreAttention(6, 6, 64, causal=True, dropout=0.0, backend="sdpa", rng_tracker=rng_tracker, cp=self.cp, cp_comm_type="p2p")
-        self.linear_proj = runtime.RowParallelLinear(768, 768, bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
+        self.linear_proj = runtime.RowParallelLinear(CONFIG["hidden_size"], CONFIG["hidden_size"], bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
         runtime.mark_partial_grad(self.linear_qkv.weight, "cp")  # used on tp:S(s)/cp:S(s) values
         runtime.mark_partial_grad(self.linear_qkv.bias, "cp")  # used on tp:S(s)/cp:S(s) values
         runtime.mark_partial_grad(self.linear_proj.weight, "cp")  # used on tp:S(h)/cp:S(s) values
@@ -89,8 +92,8 @@ class MLP(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_fc1 = runtime.ColumnParallelLinear(768, 3072, bias=True, input_mode="gather", tp=self.tp, init_std=CONFIG["init_std"])
-        self.linear_fc2 = runtime.RowParallelLinear(3072, 768, bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
+        self.linear_fc1 = runtime.ColumnParallelLinear(CONFIG["hidden_size"], 4 * CONFIG["hidden_size"], bias=True, input_mode="gather", tp=self.tp, init_std=CONFIG["init_std"])
+        self.linear_fc2 = runtime.RowParallelLinear(4 * CONFIG["hidden_size"], CONFIG["hidden_size"], bias=True, tp=self.tp, init_std=CONFIG["init_std"] / math.sqrt(2 * CONFIG["num_layers"]))
         runtime.mark_partial_grad(self.linear_fc1.weight, "cp")  # used on tp:S(s)/cp:S(s) values
         runtime.mark_partial_grad(self.linear_fc1.bias, "cp")  # used on tp:S(s)/cp:S(s) values
         runtime.mark_partial_grad(self.linear_fc2.weight, "cp")  # used on tp:S(h)/cp:S(s) values
@@ -147,12 +150,12 @@ class GPTModel(nn.Module):
         super().__init__()
         self.tp = pg.tp
         self.cp = pg.cp
-        self.embedding = runtime.VocabParallelEmbedding(50304, 768, tp=self.tp, init_std=CONFIG["init_std"])
-        self.position_embedding = runtime.PositionEmbedding(1024, 768, init_std=CONFIG["init_std"], cp=self.cp)
+        self.embedding = runtime.VocabParallelEmbedding(CONFIG["vocab_size"], CONFIG["hidden_size"], tp=self.tp, init_std=CONFIG["init_std"])
+        self.position_embedding = runtime.PositionEmbedding(CONFIG["seq_length"], CONFIG["hidden_size"], init_std=CONFIG["init_std"], cp=self.cp)
         self.embedding_dropout = runtime.Dropout(0.0, rng_tracker=rng_tracker, stream="tensor-parallel", layout="S(s)", tp=self.tp, cp=self.cp)
         self.layers = nn.ModuleList([TransformerLayer(pg, rng_tracker) for _ in range(12)])
         self.final_layernorm = runtime.LayerNorm(768, eps=1e-05)
-        self.output_layer = runtime.ColumnParallelLinear(768, 50304, bias=False, input_mode="gather", weight=self.embedding.weight, tp=self.tp, init_std=0.02)
+        self.output_layer = runtime.ColumnParallelLinear(CONFIG["hidden_size"], CONFIG["vocab_size"], bias=False, input_mode="gather", weight=self.embedding.weight, tp=self.tp, init_std=0.02)
         runtime.mark_partial_grad(self.embedding.weight, "cp")  # used on tp:I/cp:S(s) values
         runtime.mark_partial_grad(self.position_embedding.weight, "cp")  # used on tp:I/cp:S(s) values
         runtime.mark_partial_grad(self.final_layernorm.weight, "tp", "cp")  # used on tp:S(s)/cp:S(s) values

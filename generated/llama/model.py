@@ -43,6 +43,11 @@ COMPILE_COMMAND = "specc compile specs/llama.yaml"
 
 # the spec's config values that the expressions below name
 CONFIG = {
+    'vocab_size': 32000,
+    'hidden_size': 4096,
+    'num_attention_heads': 32,
+    'num_query_groups': 8,
+    'ffn_hidden_size': 11008,
     'init_std': 0.02,
 }
 
@@ -53,10 +58,10 @@ class SelfAttention(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_qkv = runtime.ColumnParallelLinear(4096, 6144, bias=False, segments=[4096, 1024, 1024], heads=[32, 8, 8], tp=self.tp, init_std=CONFIG["init_std"])
+        self.linear_qkv = runtime.ColumnParallelLinear(CONFIG["hidden_size"], CONFIG["hidden_size"] + 2 * (CONFIG["num_query_groups"] * (CONFIG["hidden_size"] // CONFIG["num_attention_heads"])), bias=False, segments=[4096, 1024, 1024], heads=[32, 8, 8], tp=self.tp, init_std=CONFIG["init_std"])
         self.rotary = runtime.RotaryEmbedding(128, base=10000.0)
         self.core_attention = runtime.CoreAttention(32, 8, 128, causal=True, dropout=0.0, backend="sdpa", rng_tracker=rng_tracker)
-        self.linear_proj = runtime.RowParallelLinear(4096, 4096, bias=False, tp=self.tp, init_std=CONFIG["init_std"])
+        self.linear_proj = runtime.RowParallelLinear(CONFIG["hidden_size"], CONFIG["hidden_size"], bias=False, tp=self.tp, init_std=CONFIG["init_std"])
 
     def forward(self, x):
         qkv = self.linear_qkv(x)
@@ -74,8 +79,8 @@ class MLP(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.linear_fc1 = runtime.ColumnParallelLinear(4096, 22016, bias=False, segments=[11008, 11008], tp=self.tp, init_std=CONFIG["init_std"])
-        self.linear_fc2 = runtime.RowParallelLinear(11008, 4096, bias=False, tp=self.tp, init_std=CONFIG["init_std"])
+        self.linear_fc1 = runtime.ColumnParallelLinear(CONFIG["hidden_size"], 2 * CONFIG["ffn_hidden_size"], bias=False, segments=[11008, 11008], tp=self.tp, init_std=CONFIG["init_std"])
+        self.linear_fc2 = runtime.RowParallelLinear(CONFIG["ffn_hidden_size"], CONFIG["hidden_size"], bias=False, tp=self.tp, init_std=CONFIG["init_std"])
 
     def forward(self, x):
         h = self.linear_fc1(x)
@@ -111,10 +116,10 @@ class LlamaModel(nn.Module):
     def __init__(self, pg: runtime.ProcessGroups, rng_tracker=None):
         super().__init__()
         self.tp = pg.tp
-        self.embedding = runtime.VocabParallelEmbedding(32000, 4096, tp=self.tp, init_std=CONFIG["init_std"])
+        self.embedding = runtime.VocabParallelEmbedding(CONFIG["vocab_size"], CONFIG["hidden_size"], tp=self.tp, init_std=CONFIG["init_std"])
         self.layers = nn.ModuleList([TransformerLayer(pg, rng_tracker) for _ in range(32)])
         self.final_norm = runtime.RMSNorm(4096, eps=1e-05)
-        self.output_layer = runtime.ColumnParallelLinear(4096, 32000, bias=False, tp=self.tp, init_std=CONFIG["init_std"])
+        self.output_layer = runtime.ColumnParallelLinear(CONFIG["hidden_size"], CONFIG["vocab_size"], bias=False, tp=self.tp, init_std=CONFIG["init_std"])
 
     def forward(self, tokens, labels):
         h = self.embedding(tokens)

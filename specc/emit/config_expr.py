@@ -10,6 +10,7 @@ identifiers and reach the code only as quoted keys; Python computes the same flo
 from __future__ import annotations
 
 import ast
+import math
 
 from ..errors import Loc, SpecError
 from ..frontend.expr import evaluate, parse_python
@@ -40,9 +41,24 @@ class ConfigExprs:
         node = self._render(source, names, math_used, 0)
         if node is None or not names:  # a constant expression reads best as its value
             return None
+        text = ast.unparse(node)
+        if not self._gives(text, value):
+            return None
         self.used |= names
         self.uses_math |= math_used[0]
-        return ast.unparse(node)
+        return text
+
+    def _gives(self, text: str, value) -> bool:
+        """True when the generated module computes exactly `value`, type included, from `text`
+        (the frontend's arithmetic may keep an int where Python's `/` gives a float: a size must
+        stay an int). `text` is built above from whitelisted nodes only: CONFIG lookups, numbers,
+        arithmetic and the math functions."""
+        scope = {"CONFIG": self.config, "math": math, "min": min, "max": max, "int": int, "__builtins__": {}}
+        try:
+            got = eval(text, scope)  # our own expression over numbers, see above
+        except (ArithmeticError, ValueError, TypeError, RecursionError):
+            return False
+        return type(got) is type(value) and got == value
 
     def literal(self) -> dict:
         """CONFIG: the used names with their values, in the spec's config order."""

@@ -49,9 +49,10 @@ class Embedding(OpKind):
     def constructor(self, node, ctx):
         a = node.attrs
         if a["parallel"] == "none":  # the whole table on every rank, recorded as replicated at any TP size
-            return (f"runtime.VocabParallelEmbedding({a['num_embeddings']}, {a['embedding_dim']}, "
+            return (f"runtime.VocabParallelEmbedding({ctx.attr(node, 'num_embeddings')}, {ctx.attr(node, 'embedding_dim')}, "
                     f"tp=runtime.Group.single(\"tp\"), init_std={ctx.attr(node, 'init_std')}, replicated=True)")
-        return f"runtime.VocabParallelEmbedding({a['num_embeddings']}, {a['embedding_dim']}, tp=self.tp, init_std={ctx.attr(node, 'init_std')})"
+        return (f"runtime.VocabParallelEmbedding({ctx.attr(node, 'num_embeddings')}, {ctx.attr(node, 'embedding_dim')}, "
+                f"tp=self.tp, init_std={ctx.attr(node, 'init_std')})")
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({args[0]})"
@@ -103,7 +104,8 @@ class PositionEmbedding(OpKind):
         a = node.attrs
         cp = ", cp=self.cp" if node.in_layouts[0]["cp"] == "S(s)" else ""
         cp += f", offset={a['offset']}" if a["offset"] else ""
-        return f"runtime.PositionEmbedding({a['num_embeddings']}, {a['embedding_dim']}, init_std={ctx.attr(node, 'init_std')}{cp})"
+        return (f"runtime.PositionEmbedding({ctx.attr(node, 'num_embeddings')}, {ctx.attr(node, 'embedding_dim')}, "
+                f"init_std={ctx.attr(node, 'init_std')}{cp})")
 
     def call(self, node, args, ctx):
         return f"self.{node.attr_name}({', '.join(args)})"

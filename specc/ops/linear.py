@@ -179,7 +179,7 @@ class Linear(OpKind):
 
     def constructor(self, node, ctx):
         a = node.attrs
-        args = [str(a["in_features"]), str(a["out_features"])]
+        args = [ctx.attr(node, "in_features"), ctx.attr(node, "out_features")]
         kw = [f"bias={a['bias']}"]
         mode = a["parallel"]  # at TP=1 the same classes run with a group of one
         te = "TE" if node.impl == "te" else ""  # TE kernels behind the same contract (runtime/te.py)

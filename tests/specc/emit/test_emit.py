@@ -117,7 +117,7 @@ def test_compiled_tiny_models_run_forward_and_backward_at_tp1(compiled):
 
 
 def test_init_scales_are_the_specs_expressions_and_each_gradient_mark_is_written_once(compiled):
-    """gpt.yaml's residual-output scale `${init_std / sqrt(2 * num_layers)}` reaches model.py as that
+    """gpt.yaml's sizes and its residual-output scale `${init_std / sqrt(2 * num_layers)}` reaches model.py as that
     expression over CONFIG, which Python evaluates to the very float the compiler computed; every
     partial-gradient mark names its parameter once, with the union of the axes of all its uses (the
     row-parallel bias at TP x CP is partial over cp where the GEMM uses it and over tp and cp where
@@ -129,13 +129,21 @@ def test_init_scales_are_the_specs_expressions_and_each_gradient_mark_is_written
     tree = ast.parse(source)
     config = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                   and n.targets[0].id == "CONFIG")
-    assert config == {"num_layers": 12, "init_std": 0.02}
+    # config values that are expressions themselves (ffn_hidden_size, max_position_embeddings) are written out
+    assert config == {"vocab_size": 50304, "hidden_size": 768, "num_layers": 12, "seq_length": 1024, "init_std": 0.02}
     proj = next(op for op in g.iter_ops() if op.attr_name == "linear_proj" and op.kind == "linear")
     assert config["init_std"] / math.sqrt(2 * config["num_layers"]) == proj.attrs["init_std"]
+    # sizes too, where Python computes the compiler's very int from the expression
+    assert 'runtime.RowParallelLinear(4 * CONFIG["hidden_size"], CONFIG["hidden_size"], bias=True' in source
+    assert 'runtime.PositionEmbedding(CONFIG["seq_length"], CONFIG["hidden_size"]' in source
+    assert 'runtime.VocabParallelEmbedding(CONFIG["vocab_size"], CONFIG["hidden_size"], tp=self.tp' in source
     marks = [ln.strip() for ln in source.splitlines() if "mark_partial_grad(" in ln or "mark_tp_partial_grad(" in ln]
     params = [m.split("(", 1)[1].split(",")[0].rstrip(")") for m in marks]
     assert len(params) == len(set(params)) > 0
     assert 'runtime.mark_partial_grad(self.linear_proj.bias, "tp", "cp")' in marks
     assert all(len(ln) <= 120 for ln in source.splitlines() if ln.strip().startswith("#") or "  # " in ln)
-    given = emit_model(compiled("gpt.yaml", overrides={"output_init_std": 0.001})[1], "x")
+    given = emit_model(compiled("gpt.yaml", overrides={"output_init_std": 0.001, "ffn_hidden_size": 1000})[1], "x")
     assert 'init_std=CONFIG["output_init_std"])' in given and "    'output_init_std': 0.001,\n" in given
+    # a --set size is a number the user gave: its name, not the expression it replaced
+    assert 'runtime.RowParallelLinear(CONFIG["ffn_hidden_size"], CONFIG["hidden_size"]' in given
+    assert "    'ffn_hidden_size': 1000,\n" in given

@@ -39,9 +39,10 @@ def test_auto_with_te_uses_it_where_it_exists():
     out = g.ops["output_layer"]  # tied to the embedding: stays native, with the reason
     assert out.impl == "native" and "tied weight" in out.impl_reason
     code = emit_model(g, "x")
-    assert "runtime.TEColumnParallelLinear(64, 192" in code and "runtime.TELayerNorm(64" in code
+    assert 'runtime.TEColumnParallelLinear(CONFIG["hidden_size"], 3 * CONFIG["hidden_size"]' in code
+    assert "runtime.TELayerNorm(64" in code
     assert 'backend="te"' in code
-    assert "runtime.ColumnParallelLinear(64, 256, bias=False" in code  # the tied output layer
+    assert 'runtime.ColumnParallelLinear(CONFIG["hidden_size"], CONFIG["vocab_size"], bias=False' in code  # tied
     assert '"impl": "te"' in plan_json(build_plan(g))
 
 
