@@ -12,8 +12,7 @@ _INPUT_DTYPES = {"int64": "int64", "int32": "int32", "float32": "float32", "bflo
 
 def build_graph(spec) -> Graph:
     g = Graph(spec)
-    s = spec.settings
-    g.ctx = Ctx(tp=s.tp, sp=s.sp, home="S(s)" if s.sp else "I", cp=s.cp, ep=s.ep)
+    g.ctx = Ctx.of(spec.settings)
     args = []
     for inp in spec.inputs:
         # model inputs are batch-first, [b, s, ...] (token ids, labels): the sequence is dim 1

@@ -3,7 +3,7 @@ activation memory and how to emit it. Every op kind lives in its own small file 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from ..errors import Loc, SpecError
 from ..layouts import AXES, GROUP_NAMES
@@ -94,9 +94,16 @@ class Ctx:
     def size(self) -> int:
         return self.sizes[self.axis]
 
+    @classmethod
+    def of(cls, settings) -> "Ctx":
+        """The context of a compile's settings, on the tp axis: every field named for a parallel
+        group (layouts.GROUP_NAMES) takes that setting's size, so a new group is one field here."""
+        sizes = {f.name: getattr(settings, f.name) for f in fields(cls) if f.name in GROUP_NAMES}
+        return cls(sp=settings.sp, home="S(s)" if settings.sp else "I", **sizes)
+
     def on(self, axis: str) -> "Ctx":
         home = ("S(s)" if self.sp else "I") if axis == "tp" else ("S(s)" if self.cp > 1 else "I")
-        return Ctx(tp=self.tp, sp=self.sp, home=home, cp=self.cp, axis=axis, ep=self.ep)
+        return replace(self, home=home, axis=axis, demand={}, in_units=[])
 
 
 class OpKind:

@@ -25,7 +25,7 @@ def parallelize(g: Graph, settings) -> None:
     algorithm on its own placements."""
     mesh = settings.mesh()
     g.mesh = mesh
-    base = Ctx(tp=settings.tp, sp=settings.sp, home=SS if settings.sp else I, cp=settings.cp)
+    base = Ctx.of(settings)
     ctxs = {axis: base.on(axis) for axis in mesh.axes}
     for vid in g.inputs:
         g.values[vid].layout = mesh.replicated()

@@ -109,7 +109,7 @@ def check_typed(graph) -> None:
             assert graph.consumers(op.outputs[0]), f"{op.id} converts a value nobody reads"
             continue
         for axis in graph.mesh.axes:
-            ctx = Ctx(tp=settings.tp, sp=settings.sp, home="S(s)" if settings.sp else "I", cp=settings.cp).on(axis)
+            ctx = Ctx.of(settings).on(axis)
             rule = kind.rule(op.attrs, ctx)
             for i, layout in enumerate(op.in_layouts):
                 lay = layout[axis]
