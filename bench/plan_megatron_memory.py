@@ -5,8 +5,11 @@ or --megatron PATH) on the GPT layouts of Narayanan et al. 2021 Table 1
 and selective recompute (Korthikanti et al. 2022's 34 s b h / t bytes per layer), the first
 pipeline stage, and 18 bytes a parameter (6 + 12 / DP with the distributed optimizer); the plan
 is asked for the same: --sp, --recompute-granularity selective, bf16, dropout 0.1, the rows' TP,
-PP, virtual stages and micro-batch sizes. Prints both, per part, and writes the table to
-docs/planning.md's section (between its markers) unless --no-doc.
+PP, virtual stages and micro-batch sizes. Megatron's activations are what the layers keep for
+backward, and so is the plan's `activations_kept`, compared with them; the plan's peak adds the
+working set of one backward (`activations_working`: the loss's fp32 temporaries, a recomputed
+region materialised again), which Megatron's formula does not count, shown beside. Prints both,
+per part, and writes the table to docs/planning.md's section (between its markers) unless --no-doc.
 
     python bench/plan_megatron_memory.py [--megatron bench/.megatron] [--no-doc]
 """
@@ -88,22 +91,24 @@ def compare(row, meg, machine) -> dict:
     acts = meg["compute_activation_memory"](args, m)
     return {"size": size, "tp": tp, "pp": pp, "vpp": args.virtual_pipeline_model_parallel_size or 1, "m": m,
             "specc_weights_opt": mem["weights"] + mem["gradients"] + mem["optimizer"],
-            "megatron_weights_opt": weights_opt, "specc_acts": mem["activations"], "megatron_acts": acts,
+            "megatron_weights_opt": weights_opt, "specc_acts": mem["activations_kept"], "megatron_acts": acts,
+            "specc_working": mem["activations_working"],
             "in_flight": mem["micro_batches_in_flight"], "rank": mem["pipeline_rank"]}
 
 
 def table(results: list) -> str:
     gib = 2 ** 30
     lines = ["| model | TP | PP | V | m | weights + grads + Adam, GiB: specc / Megatron | diff | "
-             "activations, GiB: specc / Megatron | diff | specc's micro-batches in flight |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "activations kept, GiB: specc / Megatron | diff | specc's micro-batches in flight | "
+             "specc's working set of one backward, GiB | specc's activations at the peak, GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         dw = r["specc_weights_opt"] / r["megatron_weights_opt"] - 1
         da = r["specc_acts"] / r["megatron_acts"] - 1
         lines.append(f"| {r['size']}B | {r['tp']} | {r['pp']} | {r['vpp']} | {r['m']} | "
                      f"{r['specc_weights_opt'] / gib:.2f} / {r['megatron_weights_opt'] / gib:.2f} | {100 * dw:+.2f}% | "
                      f"{r['specc_acts'] / gib:.2f} / {r['megatron_acts'] / gib:.2f} | {100 * da:+.1f}% | "
-                     f"{r['in_flight']} |")
+                     f"{r['in_flight']} | {r['specc_working'] / gib:.2f} | {(r['specc_acts'] + r['specc_working']) / gib:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -285,6 +285,14 @@ class OpKind:
         """[(key, bytes)] kept for backward; a key names a tensor, so a tensor two ops keep counts once."""
         return []
 
+    def working_bytes(self, node, local_in: list, local_out: list, elt: int, mesh) -> int:
+        """Bytes this op's kernels hold on one rank while it runs (forward or backward, the larger)
+        beyond what `saved_bytes` keeps: temporaries that live only inside the op. The plan adds
+        the largest such working set to the activations at the peak (specc/plan/build.py). Most
+        ops hold nothing worth counting beyond their inputs and outputs, which the ops before and
+        after them keep."""
+        return 0
+
     # -- arithmetic: FLOPs of one rank, (forward, backward) ----------------------------------
     def flops(self, node, local_in: list, local_out: list, mesh) -> tuple:
         """(forward, backward) floating-point operations of the matrix multiplies this op runs on

@@ -48,6 +48,25 @@ class CrossEntropy(OpKind):
     def saved_bytes(self, node, local_in, local_out, elt):
         return [(node.id + ":softmax", numel(local_in[0]) * 4)]  # fp32 softmax of the local logits
 
+    def working_bytes(self, node, local_in, local_out, elt, mesh):
+        """The loss's temporaries beyond the fp32 softmax it keeps (runtime/cross_entropy.py), in
+        L = the local logits' elements. Both paths hold the incoming logits (elt L) and, from
+        16-bit logits, their fp32 copy (4 L) while the fp32 result is made. Vocab-parallel (TP > 1,
+        sharded logits): forward `shifted - row_max` is a new fp32 tensor (4 L, it becomes the
+        kept softmax), so elt L + copy beyond it; backward clones the softmax into the gradient
+        (4 L) and casts it to the logits' dtype (elt L from 16-bit). Whole vocabulary
+        (F.cross_entropy): forward log_softmax's fp32 output (the kept 4 L) beside the logits and
+        their copy; backward nll_loss's fp32 gradient and log_softmax's (8 L) beside the kept
+        output. Returns the larger of forward's and backward's."""
+        n = numel(local_in[0])
+        copy = 4 * n if elt < 4 else 0
+        forward = elt * n + copy
+        if mesh.size("tp") > 1 and node.in_layouts[0]["tp"] == "S(h)":
+            backward = 4 * n + (elt * n if elt < 4 else 0)
+        else:
+            backward = 8 * n
+        return max(forward, backward)
+
     def call(self, node, args, ctx):
         if node.in_layouts[0]["tp"] == "S(h)":
             return f"runtime.vocab_parallel_cross_entropy({args[0]}, {args[1]}, self.tp)"

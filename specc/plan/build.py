@@ -110,6 +110,8 @@ def _entry(graph, op, elt: int) -> Entry:
     entry.memory = tuple(kind.memory_traffic(op, local_in, local_out, elt))
     entry.saved_items = _saved(graph, op, elt)
     entry.saved = sum(b for _, b in entry.saved_items)
+    entry.working = kind.working_bytes(op, local_in, local_out, elt, graph.mesh)
+    entry.region, entry.region_items = None, ()  # the recompute region it runs in, what it kept before
     return entry
 
 
@@ -126,6 +128,7 @@ def _recompute(graph, raw: list) -> None:
         if index is None:
             continue
         region = rc.regions[index]
+        e.region, e.region_items = index, tuple(e.saved_items)  # materialised again in its backward
         e.saved_items = []
         if index not in started:
             started.add(index)
@@ -324,6 +327,7 @@ def _totals(graph, raw: list, elt: int, settings) -> dict:
         "optimizer_bytes": params * OPT_BYTES[settings.dtype],
         "tp_partial_grad_parameters": partial.get("tp", 0),
         "activation_bytes": saved,
+        "activation_working_bytes": working_set(raw),
         "activation_bytes_per_layer": dict(sorted(per_layer.items())),
         "flops": {"forward": flops_fwd, "backward": flops_bwd},
         "flops_per_step": flops_fwd + flops_bwd,
@@ -363,10 +367,12 @@ def _pipeline_totals(graph, raw: list, settings) -> dict:
     params = [0] * len(pipe.stages)
     experts = [0] * len(pipe.stages)  # of which expert weights (data-parallel over DP / EP ranks)
     acts = [0] * len(pipe.stages)
+    on_stage: list = [[] for _ in pipe.stages]  # each stage's entries, in forward order
     seen, seen_saved = set(), set()
     copies = {copy for _, copy in pipe.ties}
     for i, (op, e) in enumerate(zip(graph.iter_ops(), raw)):
         s = stage_of(op.scope, i < first_layer_op)
+        on_stage[s].append(e)
         key = op.id.split("#")[0]
         if key not in seen:
             seen.add(key)
@@ -387,7 +393,8 @@ def _pipeline_totals(graph, raw: list, settings) -> dict:
             "pre_process": st.pre_process, "post_process": st.post_process,
             "parameters": params[st.index], "expert_parameters": experts[st.index],
             "optimizer_bytes": params[st.index] * OPT_BYTES[settings.dtype],
-            "activation_bytes": acts[st.index], "in_flight": flight,
+            "activation_bytes": acts[st.index], "activation_working_bytes": working_set(on_stage[st.index]),
+            "in_flight": flight,
             "send_bytes": sum(x.bytes for x in st.send), "recv_bytes": sum(x.bytes for x in st.recv),
             "flops": st.cost,
         })
@@ -400,7 +407,8 @@ def _pipeline_totals(graph, raw: list, settings) -> dict:
                       "parameters": sum(x["parameters"] for x in mine),
                       "expert_parameters": sum(x["expert_parameters"] for x in mine),
                       "optimizer_bytes": sum(x["optimizer_bytes"] for x in mine),
-                      "peak_activation_bytes": peak, "in_flight": mine[0]["in_flight"]})
+                      "peak_activation_bytes": peak, "in_flight": mine[0]["in_flight"],
+                      "activation_working_bytes": max(x["activation_working_bytes"] for x in mine)})
     return {
         "size": pipe.size, "virtual": pipe.virtual, "block": pipe.block, "placement": pipe.placement,
         "schedule": "interleaved 1F1B" if pipe.virtual > 1 else "1F1B",
@@ -409,6 +417,43 @@ def _pipeline_totals(graph, raw: list, settings) -> dict:
         "bubble": {str(k * pipe.size): round(bubble_fraction(pipe.size, pipe.virtual, k * pipe.size), 6)
                    for k in (1, 2, 4, 8)},
     }
+
+
+def working_set(entries: list) -> int:
+    """Bytes one micro-batch's backward holds at its fullest beyond what the entries keep for
+    backward (`saved_items`; entries in forward order, one stage's). Two kinds of moment:
+
+    * a recompute region's backward: its forward runs again and its ops keep what they kept
+      without recompute (`region_items`) until their backward has run, one region at a time;
+    * an op's own temporaries (`working`: the loss's fp32 logits and gradients).
+
+    Backward runs in reverse, so at either moment what the entries after it kept is already
+    freed (a tensor is freed when every entry that keeps it has run its backward). The largest
+    moment's bytes held beyond the kept ones, at least 0."""
+    first_holder: dict = {}
+    size: dict = {}
+    for i, e in enumerate(entries):
+        for key, nbytes in e.saved_items:
+            first_holder.setdefault(key, i)
+            size[key] = nbytes
+    first_kept = [0] * len(entries)  # bytes of the kept tensors whose first holder is entry i
+    for key, i in first_holder.items():
+        first_kept[i] += size[key]
+    freed_after = [0] * len(entries)  # kept bytes whose holders all come after entry i
+    for i in range(len(entries) - 2, -1, -1):
+        freed_after[i] = freed_after[i + 1] + first_kept[i + 1]
+    regions: dict = {}  # region index -> (last entry's position, {key: bytes} materialised again)
+    best = 0
+    for i, e in enumerate(entries):
+        if e.working:
+            best = max(best, e.working - freed_after[i])
+        if e.region is not None:
+            items = regions.get(e.region, (i, {}))[1]
+            items.update((k, b) for k, b in e.region_items if k not in first_holder)  # not kept anyway
+            regions[e.region] = (i, items)
+    for last, items in regions.values():
+        best = max(best, sum(items.values()) - freed_after[last])
+    return best
 
 
 def _layer_of(graph, name: str):

@@ -70,11 +70,13 @@ def plan_text(plan) -> str:
         f"  gradients                       {human_bytes(t['gradient_bytes']):>12}   (fp32)",
         f"  optimizer state                 {human_bytes(t['optimizer_bytes']):>12}   (Adam, not sharded over DP)",
         f"  activations                     {human_bytes(t['activation_bytes']):>12}   (kept for backward)",
+        f"  activations working set         {human_bytes(t['activation_working_bytes']):>12}   (held beyond them at "
+        f"the fullest moment of backward: a recomputed region again, the loss's temporaries)",
         f"  matmul FLOPs    {t['flops_per_step']:>14,}   ({t['flops']['forward']:,} forward + "
         f"{t['flops']['backward']:,} backward)",
     ]
     if "expert_parameters" in t:
-        lines.insert(len(lines) - 3, f"  of which experts{t['expert_parameters']:>14,}   "
+        lines.insert(len(lines) - 4, f"  of which experts{t['expert_parameters']:>14,}   "
                      f"{human_bytes(t['expert_parameters'] * t['parameter_bytes'] // max(1, t['parameters'])):>12}   "
                      f"(Adam state {human_bytes(t['expert_optimizer_bytes'])}; data-parallel over dp/ep ranks)")
     if t.get("recompute_flops"):
@@ -125,7 +127,8 @@ def _pipeline_lines(pipe: dict, s) -> list:
     lines.append(f"  peak activations per rank ({what}; m >= 2P, a multiple of P):")
     for r in pipe["ranks"]:
         lines.append(f"    rank {r['rank']}: {r['in_flight']} in flight x activations = "
-                     f"{human_bytes(r['peak_activation_bytes'])}; parameters {r['parameters']:,}, optimizer "
+                     f"{human_bytes(r['peak_activation_bytes'])} (+ {human_bytes(r['activation_working_bytes'])} "
+                     f"working set); parameters {r['parameters']:,}, optimizer "
                      f"{human_bytes(r['optimizer_bytes'])}")
     bubble = ", ".join(f"m={m}: {f:.3f}" for m, f in pipe["bubble"].items())
     lines.append(f"  bubble (P-1)/(V*m+P-1): {bubble}")
@@ -196,7 +199,8 @@ def prediction_text(pred: dict) -> str:
         f"    gradients          {human_bytes(mem['gradients']):>12}   (fp32 main_grad buffer)",
         f"    optimizer state    {human_bytes(mem['optimizer']):>12}   (Adam, {shard})",
         f"    activations        {human_bytes(mem['activations']):>12}   ({mem['micro_batches_in_flight']} "
-        f"micro-batch{'es' if mem['micro_batches_in_flight'] != 1 else ''} in flight at the schedule's peak)",
+        f"micro-batch{'es' if mem['micro_batches_in_flight'] != 1 else ''} in flight at the schedule's peak, "
+        f"and {human_bytes(mem['activations_working'])} working set of one backward)",
         f"    framework          {human_bytes(mem['framework']):>12}   (allowance: CUDA context, NCCL, workspaces)",
         f"    total              {human_bytes(mem['total']):>12}   of {human_bytes(mem['capacity'])}: "
         + ("fits" if mem["fits"] else "DOES NOT FIT"),

@@ -367,7 +367,9 @@ def _memory(plan, machine, job: Job, dp: int, m: int, params: list) -> dict:
     """Bytes per GPU, for the fullest pipeline rank: weights, fp32 gradients (the runtime's
     main_grad buffer), Adam's state (fp32 master weights, m, v; over DP with the distributed
     optimizer, expert weights' over DP / EP), the activations the schedule holds at its peak
-    with m micro-batches, and the framework allowance of the profile."""
+    with m micro-batches (what they keep for backward, plus the largest working set of one
+    micro-batch's backward beyond it: a recompute region materialised again, the loss's
+    temporaries; plan totals' `activation_working_bytes`), and the framework allowance."""
     from ..passes.pipeline import in_flight
 
     s, t = plan.settings, plan.totals
@@ -379,13 +381,15 @@ def _memory(plan, machine, job: Job, dp: int, m: int, params: list) -> dict:
             mine = [st for st in pipe["stages"] if st["rank"] == r]
             flight = in_flight(_Rank(r), pipe["size"], pipe["virtual"], m)
             acts = max(st["activation_bytes"] for st in mine) * flight
+            working = max(st["activation_working_bytes"] for st in mine)
         else:
-            flight, acts = 1, t["activation_bytes"]
+            flight, acts, working = 1, t["activation_bytes"], t["activation_working_bytes"]
         opt_per = OPT_BYTES[s.dtype]
         optimizer = (dense * opt_per / dp + experts * opt_per / (dp // s.ep)) if job.distributed_optimizer \
             else (dense + experts) * opt_per
         row = {"pipeline_rank": r, "weights": (dense + experts) * elt, "gradients": (dense + experts) * 4,
-               "optimizer": round(optimizer), "activations": acts, "micro_batches_in_flight": flight,
+               "optimizer": round(optimizer), "activations": acts + working, "activations_kept": acts,
+               "activations_working": working, "micro_batches_in_flight": flight,
                "framework": round(machine.framework_memory_bytes)}
         row["total"] = sum(row[k] for k in ("weights", "gradients", "optimizer", "activations", "framework"))
         rows.append(row)

@@ -80,3 +80,44 @@ def test_spec_declared_recompute(compiled):
                     **full())[1]
     assert set(build_plan(both).totals["activation_bytes_per_layer"].values()) == {2 * S * B * H}
     assert len(both.recompute.regions) == L
+
+
+# -- the activations at the peak: one recompute region materialised again, the loss's temporaries --
+V = 1024  # a small vocabulary, so that a recomputed layer, not the loss, is the largest working set
+PEAK = {**KORTHIKANTI, "vocab_size": V}
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_full_recompute_peak_holds_one_layer_again(compiled, t):
+    """Backward of the last layer runs its forward again: the layer's Korthikanti bytes
+    s b h (10 + 24/t + 5 a s/(h t)) (no SP) are held again, but for its input (2 s b h, kept by
+    the checkpoint throughout), while what the output side kept
+    (the final norm's and output layer's inputs, 2 s b h each, and the loss's fp32 softmax,
+    4 s b V / t) is already freed; the loss's own temporaries are the other candidate."""
+    sbh, logits = S * B * H, S * B * V // t
+    plain = _plan(compiled, t, overrides=PEAK)
+    plan = _plan(compiled, t, overrides=PEAK, **full())
+    layer = sbh * (10 + 24 // t) + 5 * A * S * S * B // t
+    assert set(plain.totals["activation_bytes_per_layer"].values()) == {layer}
+    loss = (6 if t > 1 else 8) * logits  # runtime/cross_entropy.py at 16-bit (ops/loss.py's working_bytes)
+    assert plain.totals["activation_working_bytes"] == loss  # without recompute: the loss alone
+    again = layer - 2 * sbh
+    assert plan.totals["activation_working_bytes"] == max(loss, again - (2 * sbh + 2 * sbh + 4 * logits))
+    assert plan.totals["activation_working_bytes"] > loss
+
+
+def test_pipeline_stage_peak_and_prediction_memory(compiled):
+    """At PP 2 the first stage has no output side: its working set is exactly one layer's
+    Korthikanti bytes but its kept input; the prediction's activations are the kept ones in
+    flight plus it."""
+    from specc.plan.machine import load_machine
+    from specc.plan.time import Job, predict
+
+    t, sbh = 2, S * B * H
+    plan = build_plan(compiled("gpt.yaml", tp=t, micro_batch_size=B, overrides=PEAK, pp=2, **full())[1])
+    first = plan.totals["pipeline"]["stages"][0]
+    assert first["activation_working_bytes"] == sbh * (10 + 24 // t) + 5 * A * S * S * B // t - 2 * sbh
+    mem = predict(plan, S, load_machine("dgx-a100-80gb"), Job(num_gpus=4, global_batch_size=4 * B))["memory"]
+    rank = plan.totals["pipeline"]["stages"][mem["pipeline_rank"]]
+    assert mem["activations_kept"] == rank["activation_bytes"] * mem["micro_batches_in_flight"]
+    assert mem["activations"] == mem["activations_kept"] + rank["activation_working_bytes"]
