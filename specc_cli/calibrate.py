@@ -7,9 +7,15 @@ the data-parallel group's transport picked by runtime.ProcessGroups: shared memo
 has a core per rank), each with the threads a training rank gets (cores / N), and measure at the
 same time, so ranks sharing cores measure the share they get:
 
-* GEMM time of square matrix multiplies by size, per dtype: fitted (Theil-Sen, as every fit here)
-  to the time model's t = (F + F_half) / R, so R is the dtype's peak (efficiency 1) and F_half the fixed cost
-  of a kernel in FLOPs (from fp32);
+* GEMM time per dtype of the matrix multiplies a linear layer runs in training, at the shapes of
+  a transformer's (tokens M = 2n, features n to 3n and 4n and back, for several n): the forward
+  x W^T, the input gradient dY W and the weight gradient dY^T X, each its own point, fitted
+  (Theil-Sen, as every fit here) to the time model's t = (F + F_half) / R, so R is the rate
+  training's GEMMs reach (efficiency 1) and F_half a kernel's fixed cost in FLOPs (from fp32).
+  Square GEMMs alone overstate it: the rectangular and transposed ones run slower;
+* fused attention (runtime.CoreAttention on torch's SDPA, causal, forward and backward) at a few
+  sequence lengths and head sizes, fp32: its FLOPs as the plan counts them (s^2/2 pairs) over
+  its time, against the fp32 GEMM rate, is the profile's `efficiency.attention`;
 * memory-bound kernels: the kinds a transformer layer runs besides its GEMMs (an add, a GELU, a
   dropout, a softmax and a layer norm) over activation-sized tensors, bytes read and written
   (the plan's `memory_traffic` count: a dropout also writes its one-byte mask) over time; the
@@ -43,8 +49,12 @@ import time
 
 from specc.errors import Loc, SpecError
 
-GEMM_SIZES = {"fp32": (128, 192, 256, 384, 512, 768), "bf16": (64, 96, 128, 192, 256),
-              "fp16": (64, 96, 128, 192, 256)}  # 16-bit matmuls are slow on CPUs without matrix units
+GEMM_SIZES = {"fp32": (64, 128, 192, 256, 384), "bf16": (32, 64, 128),
+              "fp16": (32, 64, 128)}  # n; 16-bit matmuls are slow on CPUs without matrix units
+# a linear layer's (M tokens, K in, N out) in units of n: attention's projections, the MLP's up and down
+LAYER_SHAPES = ((2, 1, 1), (2, 1, 3), (2, 1, 4), (2, 4, 1))
+GEMM_VARIANTS = ("forward", "input gradient", "weight gradient")
+ATTENTION_SHAPES = ((256, 2, 8, 32), (256, 2, 4, 64), (512, 1, 4, 64))  # (sequence, batch, heads, head size)
 DTYPES = ("fp32", "bf16", "fp16")
 ELEMENTWISE = (1 << 18, 1 << 20)  # elements: activation-sized tensors of small models
 ALL_REDUCE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
@@ -94,6 +104,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
     import torch.distributed as dist
 
     from runtime import comm
+    from runtime.attention import CoreAttention
     from runtime.layers import LayerNorm
     from runtime.parallel_state import ProcessGroups
 
@@ -107,10 +118,24 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
     for name in DTYPES:
         points = []
         for n in GEMM_SIZES[name]:
-            a = torch.randn(n, n, dtype=dt[name])
-            b = torch.randn(n, n, dtype=dt[name])
-            points.append((2.0 * n ** 3, _timed(lambda: torch.mm(a, b), reps)))
+            for mm, kk, nn in LAYER_SHAPES:
+                x, w = torch.randn(mm * n, kk * n, dtype=dt[name]), torch.randn(nn * n, kk * n, dtype=dt[name])
+                dy = torch.randn(mm * n, nn * n, dtype=dt[name])
+                runs = (lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x)
+                for variant, fn in zip(GEMM_VARIANTS, runs):
+                    points.append((2.0 * mm * kk * nn * n ** 3, _timed(fn, reps), variant))
         gemm[name] = points
+    attention = []
+    for seq, batch, heads, size in ATTENTION_SHAPES:
+        core = CoreAttention(heads, heads, size, causal=True, backend="sdpa")
+        q, k, v = (torch.randn(seq, batch, heads * size, requires_grad=True) for _ in range(3))
+        grad = torch.randn(seq, batch, heads * size)
+        forward = 2.0 * batch * (seq * seq // 2) * heads * 2 * size  # QK^T and PV over the causal pairs
+
+        def attend():
+            core(q, k, v).backward(grad)
+
+        attention.append((forward, _timed(attend, reps)))
     memory = []
     fn = torch.nn.functional
     for n in ELEMENTWISE:
@@ -157,7 +182,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
     except (OSError, ValueError):
         pass
     if rank == 0:
-        out.update(gemm=gemm, memory=memory, collectives=collectives, sends=sends, all_to_all=all_to_all,
+        out.update(gemm=gemm, attention=attention, memory=memory, collectives=collectives, sends=sends, all_to_all=all_to_all,
                    overhead=overhead, rss=rss,
                    transport=pg.transport_summary(), threads=torch.get_num_threads())
     dist.barrier()
@@ -216,10 +241,12 @@ def _link(points: list, steps: int, share: float) -> tuple:
 
 def profile_yaml(m: dict, ranks: int, name: str) -> str:
     """The profile of measurements `m`, every number with where it came from."""
-    fits = {d: _fit([f for f, _ in pts], [t for _, t in pts]) for d, pts in m["gemm"].items()}
+    fits = {d: _fit([p[0] for p in pts], [p[1] for p in pts]) for d, pts in m["gemm"].items()}
     peak = {d: 1.0 / b for d, (a, b) in fits.items()}
     a32, b32 = fits["fp32"]
     half = max(0.0, a32 / b32)
+    # the plan times attention as a forward GEMM and a backward of two, each (F + F_half) / (R e)
+    attention = statistics.median(3 * (f + half) / (peak["fp32"] * t) for f, t in m["attention"])
     bandwidth = statistics.median(nbytes / t for nbytes, t in m["memory"])
     if m["collectives"]:
         latency, link_bw = _link(m["collectives"], 2 * (ranks - 1), 2 * (ranks - 1) / ranks)
@@ -234,7 +261,9 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
     except (ValueError, OSError):
         ram = 8 << 30
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    g = lambda d: "  ".join(f"{int(f ** (1 / 3) / 2 ** (1 / 3) + 0.5)}:{t * 1e3:.3f}ms" for f, t in m["gemm"][d])  # noqa: E731
+    def g(d):  # the median rate of each variant over the shapes
+        return "  ".join(f"{v} {statistics.median(p[0] / p[1] for p in m['gemm'][d] if p[2] == v) / 1e9:.2f}"
+                         for v in GEMM_VARIANTS) + " GFLOP/s"
     lines = [
         f"# Measured by `specc calibrate --ranks {ranks}` on {socket.gethostname()}, {when}: {os.cpu_count()} cores,",
         f"# {m['threads']} thread(s) per rank; {m['transport']}",
@@ -244,7 +273,8 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
         f"devices_per_node: {ranks}",
         "device:",
         "  name: cpu-rank",
-        "  peak_flops:                       # t = (F + F_half) / R fitted to square GEMMs, n:fastest time",
+        "  peak_flops:                       # t = (F + F_half) / R fitted to a linear layer's GEMMs (forward,",
+        "                                    # input and weight gradient; M = 2n tokens, n to 4n features): median rates",
     ]
     for d in DTYPES:
         lines.append(f"    {d}: {peak[d]:.4e}                  # {g(d)}")
@@ -275,6 +305,8 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
         f"  latency: {a2a_latency:.4e}",
         "efficiency:                         # the peaks above are measured rates: nothing fitted on top",
         "  gemm: 1.0",
+        f"  attention: {attention:.4f}            # fused causal attention (SDPA) forward + backward, fp32, over the "
+        "GEMM rate: " + "  ".join(f"{f * 3 / t / 1e9:.2f}" for f, t in m["attention"]) + " GFLOP/s",
         f"  gemm_half_flops: {half:.4e}         # fp32's fixed cost per GEMM, in FLOPs",
         "  memory: 1.0",
         "  link: 1.0",

@@ -348,6 +348,11 @@ class CoreAttention(OpKind):
         forward = 2 * b * pairs * heads * (node.attrs["head_dim"] + self.v_dim(node.attrs))  # QK^T, then PV
         return forward, 2 * forward
 
+    def matmul_kernel(self, impl):
+        # the unfused path's products are batched GEMMs; sdpa, flash and TE (and the CP ring's
+        # blocks) are fused kernels, whose rate a profile states apart (efficiency.attention)
+        return "gemm" if impl == "unfused" else "attention"
+
     def saved_bytes(self, node, local_in, local_out, elt):
         if node.in_layouts and node.in_layouts[0]["cp"] == "S(s)":
             return self._cp_saved_bytes(node, local_in, local_out, elt)

@@ -9,7 +9,10 @@ Two optional keys describe a host whose framework, not its kernels, sets the pac
 beyond its kernels' bytes and FLOPs (dispatch, autograd, allocation; 0 when absent), and
 `point_to_point` and `all_to_all`, links that point-to-point sends and all-to-alls inside a
 node take instead of `intra_node` (gloo carries both itself, not through the shared memory the
-runtime's other CPU collectives use; absent: they take the node's link). `--machine` takes a shipped profile's name or a profile file's path."""
+runtime's other CPU collectives use; absent: they take the node's link). `efficiency.attention`
+(optional, 1 when absent) is the rate of fused attention kernels (sdpa, flash, TE) over the GEMM
+rate on the FLOPs the plan counts for them: many small per-head products with the softmax in
+between reach less of the peak than one large GEMM. `--machine` takes a shipped profile's name or a profile file's path."""
 
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ class Machine:
     op_overhead: float = 0.0  # seconds per op call, forward and backward each (0: none modelled)
     point_to_point: Link | None = None  # the link of sends inside a node, when not intra_node's
     all_to_all: Link | None = None  # the link of all-to-alls inside a node, when not intra_node's
+    attention_efficiency: float = 1.0  # a fused attention kernel's rate over the GEMM rate (absent: 1)
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops[dtype]
@@ -150,4 +154,5 @@ def _machine(doc, path: str, source: str) -> Machine:
         memory_efficiency=number(eff, "memory", most=1.0), link_efficiency=number(eff, "link", most=1.0),
         framework_memory_bytes=number(doc, "framework_memory_bytes", least=-1e-300), source=source,
         op_overhead=number(eff, "op_overhead", least=-1e-300) if "op_overhead" in eff else 0.0,
-        point_to_point=links.get("point_to_point"), all_to_all=links.get("all_to_all"))
+        point_to_point=links.get("point_to_point"), all_to_all=links.get("all_to_all"),
+        attention_efficiency=number(eff, "attention") if "attention" in eff else 1.0)

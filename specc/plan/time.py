@@ -2,7 +2,8 @@
 and the memory each GPU needs. docs/planning.md states the model; in short:
 
 * a GEMM's time is its FLOPs over the peak for the plan's dtype times an efficiency that grows with
-  its size, eff(F) = gemm · F / (F + gemm_half_flops); a memory-bound kernel's is the bytes it moves
+  its size, eff(F) = gemm · F / (F + gemm_half_flops), and a fused attention kernel's at the
+  profile's `attention` share of that (1 when it says none); a memory-bound kernel's is the bytes it moves
   (the op's `memory_traffic`) over memory bandwidth · memory efficiency; an op costs the sum;
 * a collective's time is the ring algorithm's: all-reduce 2(n-1)/n · bytes, all-gather,
   reduce-scatter and all-to-all (n-1)/n · bytes, over the link its group crosses (inside a node,
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 from ..errors import Loc, SpecError
 from ..layouts import DTYPE_BYTES
+from ..ops import OPS
 from .build import OPT_BYTES
 from .machine import Link
 
@@ -53,11 +55,15 @@ class Job:
 
 # -- the pieces, each a closed form --------------------------------------------------------------
 
-def gemm_time(flops: float, machine, dtype: str) -> float:
-    """One GEMM of `flops` FLOPs: F / (peak · gemm · F / (F + F_half)) = (F + F_half) / (peak · gemm)."""
+def gemm_time(flops: float, machine, dtype: str, kernel: str = "gemm") -> float:
+    """One GEMM of `flops` FLOPs: F / (peak · gemm · F / (F + F_half)) = (F + F_half) / (peak · gemm);
+    a fused attention kernel's (`kernel` "attention") at the profile's attention share of that rate."""
     if flops <= 0:
         return 0.0
-    return (flops + machine.gemm_half_flops) / (machine.peak(dtype) * machine.gemm_efficiency)
+    rate = machine.peak(dtype) * machine.gemm_efficiency
+    if kernel == "attention":
+        rate *= machine.attention_efficiency
+    return (flops + machine.gemm_half_flops) / rate
 
 
 def memory_time(nbytes: float, machine) -> float:
@@ -273,8 +279,9 @@ class _Acc:
 def _add_entry(acc: _Acc, mult: float, e, machine, dtype: str, coll) -> None:
     """One plan entry, `mult` instances, into a stage's micro-batch."""
     f_fwd, f_bwd = e.flops
-    gemm_f = gemm_time(f_fwd, machine, dtype)
-    gemm_b = 2 * gemm_time(f_bwd / 2, machine, dtype) if f_bwd else 0.0  # grad-input and weight-gradient GEMMs
+    kernel = OPS[e.kind].matmul_kernel(e.impl) if f_fwd or f_bwd else "gemm"
+    gemm_f = gemm_time(f_fwd, machine, dtype, kernel)
+    gemm_b = 2 * gemm_time(f_bwd / 2, machine, dtype, kernel) if f_bwd else 0.0  # grad-input and weight-gradient
     gemm_r = gemm_f if e.recomputed else 0.0
     hidden_f, hidden_b = e.comm_hidden
     fwd_axes, bwd_axes = e.comm_axes

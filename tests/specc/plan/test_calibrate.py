@@ -13,6 +13,8 @@ from specc_cli.calibrate import (
     DTYPES,
     ELEMENTWISE,
     GEMM_SIZES,
+    GEMM_VARIANTS,
+    LAYER_SHAPES,
     OP_CHAINS,
     SEND_BYTES,
     profile_yaml,
@@ -24,7 +26,10 @@ def test_profile_recovers_the_constants(tmp_path):
     half, bandwidth, latency, link, ranks = 3e6, 12e9, 2e-4, 3e9, 4
     p2p_latency, p2p_link, per_call = 5e-4, 1e9, 4e-5
     measured = {
-        "gemm": {d: [(2.0 * n ** 3, (2.0 * n ** 3 + half) / rate[d]) for n in GEMM_SIZES[d]] for d in DTYPES},
+        "gemm": {d: [(f, (f + half) / rate[d], v) for n in GEMM_SIZES[d] for m_, k, n_ in LAYER_SHAPES
+                     for f in [2.0 * m_ * k * n_ * n ** 3] for v in GEMM_VARIANTS] for d in DTYPES},
+        # fused attention at 0.4 of the fp32 GEMM rate: forward (F + F_half), backward twice that
+        "attention": [(f, 3 * (f + half) / (0.4 * rate["fp32"])) for f in (1e8, 4e8, 9e8)],
         "memory": [(k * n, k * n / bandwidth) for n in ELEMENTWISE for k in (12, 8, 9, 8, 8)],
         "collectives": [(b, 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * b / link) for b in ALL_REDUCE_BYTES],
         "sends": [(b, p2p_latency + b / p2p_link) for b in SEND_BYTES],
@@ -39,6 +44,7 @@ def test_profile_recovers_the_constants(tmp_path):
     for d in DTYPES:
         assert m.peak(d) == pytest.approx(rate[d], rel=1e-3)
     assert m.gemm_half_flops == pytest.approx(half, rel=1e-3)
+    assert m.attention_efficiency == pytest.approx(0.4, rel=1e-3)
     assert m.memory_bandwidth == pytest.approx(bandwidth, rel=1e-3)
     assert m.intra_node.latency == pytest.approx(latency, rel=1e-3) and m.intra_node.bandwidth == pytest.approx(link, rel=1e-3)
     assert m.point_to_point.latency == pytest.approx(p2p_latency, rel=1e-3)

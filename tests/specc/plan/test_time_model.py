@@ -101,6 +101,22 @@ def test_cp_ring_is_hidden_behind_attention_only_when_compute_is_slower():
     assert predict(plan, seq, slow, Job(2, 1))["breakdown_s"]["cp_comm"] == pytest.approx(rest, rel=1e-9)
 
 
+def test_fused_attention_runs_at_the_profiles_share_of_the_gemm_rate():
+    """efficiency.attention scales the fused attention kernel's time alone: with it at 1/2, compute
+    grows by exactly the attention entries' GEMM-model time (forward, and a backward of two
+    GEMMs), while the unfused path (batched GEMMs) is untouched."""
+    plan, seq = plan_of()
+    attn = [e for e in plan.entries if e.kind == "core_attention"]
+    assert attn and all(e.impl != "unfused" and e.flops[0] > 0 for e in attn)
+    half = dataclasses.replace(A100, attention_efficiency=0.5)
+    once = sum(e.count * (gemm_time(e.flops[0], A100, "bf16") + 2 * gemm_time(e.flops[1] / 2, A100, "bf16"))
+               for e in attn)
+    a, b = (predict(plan, seq, m, Job(1, 3))["breakdown_s"]["compute"] for m in (A100, half))
+    assert b - a == pytest.approx(3 * once, rel=1e-9)  # 3 micro-batches
+    unfused, _ = plan_of(overrides=[("modules.SelfAttention.submodules.core_attention.impl", "unfused")])
+    assert predict(unfused, seq, A100, Job(1, 3))["step_time_s"] == predict(unfused, seq, half, Job(1, 3))["step_time_s"]
+
+
 def test_pipeline_bubble():
     assert bubble_time(8, 1, 2.0) == pytest.approx(14.0)
     assert bubble_time(8, 2, 2.0) == pytest.approx(7.0)  # interleaving divides it by V
