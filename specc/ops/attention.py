@@ -307,12 +307,12 @@ class CoreAttention(OpKind):
         QK^T writes them, softmax reads and writes them, PV reads them (4 passes); backward
         the probabilities' gradient is written, read with the probabilities by softmax's backward
         and its output written and read by the two GEMMs (6 passes); dropout on the probabilities
-        adds a read, a write and its one-byte mask each way."""
+        adds a read, a write and its one-byte mask each way. Under CP see _cp_block_traffic."""
         a = node.attrs
+        if node.in_layouts and node.in_layouts[0]["cp"] == "S(s)":
+            return self._cp_block_traffic(node, local_in)
         if node.impl != "unfused" and not a.get("softcap"):
             return 0, 0
-        if node.in_layouts and node.in_layouts[0]["cp"] == "S(s)":
-            return 0, 0  # runtime.context_parallel runs blocks the flash way, whatever the backend
         q, k = local_in[0], local_in[1]
         heads = q[-1] // a["head_dim"]
         scores = q[1] * heads * q[0] * k[0]
@@ -348,10 +348,36 @@ class CoreAttention(OpKind):
         forward = 2 * b * pairs * heads * (node.attrs["head_dim"] + self.v_dim(node.attrs))  # QK^T, then PV
         return forward, 2 * forward
 
-    def matmul_kernel(self, impl):
-        # the unfused path's products are batched GEMMs; sdpa, flash and TE (and the CP ring's
-        # blocks) are fused kernels, whose rate a profile states apart (efficiency.attention)
-        return "gemm" if impl == "unfused" else "attention"
+    def matmul_kernel(self, node):
+        # sdpa, flash and TE are fused kernels, whose rate a profile states apart
+        # (efficiency.attention); the unfused path (soft-capping takes it) and CP's blocks
+        # (runtime/context_parallel.py, torch.matmul over each block) run batched GEMMs
+        unfused = node.impl == "unfused" or node.attrs.get("softcap")
+        cp = node.in_layouts and node.in_layouts[0]["cp"] == "S(s)"
+        return "gemm" if unfused or cp else "attention"
+
+    def _cp_block_traffic(self, node, local_in) -> tuple:
+        """runtime/context_parallel.py computes each block of scores in memory, in fp32 at least
+        (flash attention's algorithm, not its fused kernel), forward and backward alike, over
+        the pairs flops() counts. Passes over a block's scores, c bytes each: forward the QK^T
+        write, the scaling's read and write, logsumexp's two reads, subtracting the lse and the
+        exponential (a read and a write each), PV's read: 10; backward recomputes the scores
+        (1 + 2 + 2 + 2), writes dP (1), reads P for dV (1), dS = P (dP - delta) scale (2 + 3 + 2)
+        and reads dS for dQ and dK (2): 18. Dropout adds its mask and two products forward
+        (4c + 1), the mask's scaled copy and two products backward (7c + 1); soft-capping its
+        division, tanh and product forward (6c) and again with its derivative backward (11c).
+        The causal mask's pass on the diagonal blocks is left out (2 of the ring's 2N blocks)."""
+        a = node.attrs
+        q = local_in[0]
+        pairs = cp_pairs(q[0], a["cp_size"], a.get("cp_comm_type_resolved", "p2p"), a["causal"], a.get("window"))
+        scores = q[1] * (q[-1] // a["head_dim"]) * pairs
+        c = 4  # promote_types(dtype, float32)
+        fwd, bwd = 10 * c, 18 * c
+        if a["dropout"] > 0:
+            fwd, bwd = fwd + 4 * c + 1, bwd + 7 * c + 1
+        if a.get("softcap"):
+            fwd, bwd = fwd + 6 * c, bwd + 11 * c
+        return fwd * scores, bwd * scores
 
     def saved_bytes(self, node, local_in, local_out, elt):
         if node.in_layouts and node.in_layouts[0]["cp"] == "S(s)":

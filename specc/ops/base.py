@@ -302,8 +302,8 @@ class OpKind:
         matrices says so here."""
         return 0, 0
 
-    def matmul_kernel(self, impl: str) -> str:
-        """Which kind of kernel runs `flops()` under implementation `impl`, for the time model
+    def matmul_kernel(self, node) -> str:
+        """Which kind of kernel runs `flops()` of this node (its implementation chosen), for the time model
         (specc/plan/time.py): "gemm", a BLAS matrix multiply, at a profile's GEMM rate; or
         "attention", a fused attention kernel (many small per-head products with the softmax
         between them), at that rate times the profile's `efficiency.attention`."""

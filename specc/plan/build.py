@@ -36,6 +36,7 @@ class Entry:
     comm_hidden: tuple = (0.0, 0.0)
     memory: tuple = (0, 0)
     recomputed: bool = False
+    kernel: str = "gemm"  # what runs the FLOPs (OpKind.matmul_kernel): "gemm" or "attention"
 
 
 @dataclass
@@ -104,6 +105,7 @@ def _entry(graph, op, elt: int) -> Entry:
                   [str(x) for x in op.out_layouts], fwd, bwd, 0, notes)
     local_in, local_out = _local_shapes(graph, op)
     entry.flops = tuple(kind.flops(op, local_in, local_out, graph.mesh))
+    entry.kernel = kind.matmul_kernel(op)
     entry.weights = tuple((w.name, _local_weight_shape(w, graph.spec.settings)) for w in kind.weights(op.attrs))
     entry.comm_axes = (tuple(kind.comm_axis(op, k) for k, _ in fwd), tuple(kind.comm_axis(op, k) for k, _ in bwd))
     entry.comm_hidden = tuple(kind.comm_hidden(op))
@@ -260,12 +262,12 @@ def _instances(repeats: dict, name: str) -> list:
 def _signature(e: Entry, prefix: str):
     return (e.name[len(prefix):], e.kind, e.impl, tuple(e.layouts_in), tuple(e.layouts_out), tuple(e.forward),
             tuple(e.backward), e.saved, tuple(n.replace(prefix, "") for n in e.notes), e.flops, e.weights,
-            e.comm_axes, e.comm_hidden, e.memory, e.recomputed)
+            e.comm_axes, e.comm_hidden, e.memory, e.recomputed, e.kernel)
 
 
 def _renamed(e: Entry, name: str, count: int) -> Entry:
     out = Entry(name, e.kind, e.impl, e.impl_reason, e.layouts_in, e.layouts_out, e.forward, e.backward, e.saved,
-                e.notes, count, e.flops, e.weights, e.comm_axes, e.comm_hidden, e.memory, e.recomputed)
+                e.notes, count, e.flops, e.weights, e.comm_axes, e.comm_hidden, e.memory, e.recomputed, e.kernel)
     out.saved_items = e.saved_items
     return out
 

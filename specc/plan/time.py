@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 from ..errors import Loc, SpecError
 from ..layouts import DTYPE_BYTES
-from ..ops import OPS
 from .build import OPT_BYTES
 from .machine import Link
 
@@ -279,9 +278,8 @@ class _Acc:
 def _add_entry(acc: _Acc, mult: float, e, machine, dtype: str, coll) -> None:
     """One plan entry, `mult` instances, into a stage's micro-batch."""
     f_fwd, f_bwd = e.flops
-    kernel = OPS[e.kind].matmul_kernel(e.impl) if f_fwd or f_bwd else "gemm"
-    gemm_f = gemm_time(f_fwd, machine, dtype, kernel)
-    gemm_b = 2 * gemm_time(f_bwd / 2, machine, dtype, kernel) if f_bwd else 0.0  # grad-input and weight-gradient
+    gemm_f = gemm_time(f_fwd, machine, dtype, e.kernel)
+    gemm_b = 2 * gemm_time(f_bwd / 2, machine, dtype, e.kernel) if f_bwd else 0.0  # grad-input and weight-gradient
     gemm_r = gemm_f if e.recomputed else 0.0
     hidden_f, hidden_b = e.comm_hidden
     fwd_axes, bwd_axes = e.comm_axes
