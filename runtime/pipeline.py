@@ -13,6 +13,15 @@ feeds both ends); the activations between stages are the tensors the compiler li
 returns its per-token loss on the last stage; the schedule's loss function averages it per
 micro-batch and divides by the micro-batch count, as the PP = 1 loop's `(loss / n).backward()`
 does, so gradients and the reported loss are the same numbers.
+
+Scatter/gather over TP (Narayanan et al. 2021, Section 4.1; Megatron's
+`--scatter-gather-tensors-in-pipeline`): an activation that crosses a stage boundary replicated
+over the tensor-parallel ranks (TP > 1 without sequence parallelism: layout `I` on tp) is sent as
+each TP rank's 1/t slice of its last dim, and the receiving stage all-gathers it over TP; the
+gradient travels back as slices and is all-gathered on the sending stage. Every TP rank holds
+the same activation and the same gradient, so the numbers are the unscattered run's, exactly;
+each rank's pipeline link carries 1/t of the bytes. On by default (`scatter_gather=False` sends
+whole tensors); a value already sharded over TP (sequence parallelism) is sent as it is.
 """
 
 from __future__ import annotations
@@ -24,23 +33,49 @@ import torch
 from torch import nn
 
 from . import comm
+from .mappings import gather_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region
 from .parallel_state import ProcessGroups
 from .random import RNGTracker
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble")
 
 
+def scattered(items, tp) -> list:
+    """For each p2p item of a PIPELINE_STAGES row ((name, local shape, layout, bytes)): whether it
+    travels as 1/t slices of its last dim: TP > 1, the value replicated over tp (layout `I`, or
+    `tp:I` among several axes) and its last dim divisible by t."""
+    out = []
+    for _, shape, layout, _ in items:
+        axes = dict(part.split(":", 1) for part in layout.split("/")) if ":" in layout else None
+        replicated = layout == "I" if axes is None else axes.get("tp") == "I"
+        out.append(tp.size > 1 and replicated and bool(shape) and shape[-1] % tp.size == 0)
+    return out
+
+
 class _StageModule(nn.Module):
     """One stage of a model that holds several: forward runs stage `index` (inside the context
-    `around(index)` gives: a meter of what it saves for backward, or nothing)."""
+    `around(index)` gives: a meter of what it saves for backward, or nothing). With `tp` given,
+    the stage's TP-replicated inputs arrive as slices, all-gathered here, and its TP-replicated
+    outputs leave as this rank's slice (scattered())."""
 
-    def __init__(self, model: nn.Module, index: int, around):
+    def __init__(self, model: nn.Module, index: int, around, row: dict | None = None, tp=None):
         super().__init__()
-        self.model, self.index, self._around = model, index, around
+        self.model, self.index, self._around, self.tp = model, index, around, tp
+        self.gather_in = scattered(row["recv"], tp) if tp is not None else []
+        self.scatter_out = scattered(row["send"], tp) if tp is not None else []
 
     def forward(self, *args, **kwargs):
+        if any(self.gather_in):
+            args = tuple(gather_from_tensor_model_parallel_region(a, self.tp) if i < len(self.gather_in)
+                         and self.gather_in[i] else a for i, a in enumerate(args))
         with self._around(self.index):
-            return self.model(*args, stage=self.index, **kwargs)
+            out = self.model(*args, stage=self.index, **kwargs)
+        if any(self.scatter_out):
+            many = isinstance(out, tuple)
+            outs = tuple(scatter_to_tensor_model_parallel_region(o, self.tp) if cut else o
+                         for o, cut in zip(out if many else (out,), self.scatter_out))
+            out = outs if many else outs[0]
+        return out
 
 
 @contextlib.contextmanager
@@ -97,19 +132,22 @@ class Pipeline:
 
     input_names: the model's inputs, in the spec's order (passed by name to every stage).
     rng_tracker: the model's RNG tracker, left untouched by the stages' shape inference.
+    scatter_gather: send TP-replicated activations as 1/t slices, all-gathered over TP on arrival
+    (the module's docstring); False sends them whole.
     `step(inputs, micro_batches)` runs forward and backward of one global batch on this DP rank
     and returns the mean loss (on every pipeline rank: the last stage's, broadcast).
     """
 
     def __init__(self, model: nn.Module, pg: ProcessGroups, n_microbatches: int, input_names, *,
                  schedule: str | None = None, device: torch.device | None = None,
-                 rng_tracker: RNGTracker | None = None):
+                 rng_tracker: RNGTracker | None = None, scatter_gather: bool = True):
         from torch.distributed import pipelining as pl
 
         if pg.pp.size < 2:
             raise ValueError("a Pipeline needs a pipeline-parallel group of 2 or more ranks")
         self.model, self.pg, self.n = model, pg, n_microbatches
-        self._build = dict(schedule=schedule, device=device, rng_tracker=rng_tracker)  # with_micro_batches
+        self._build = dict(schedule=schedule, device=device, rng_tracker=rng_tracker,  # with_micro_batches
+                           scatter_gather=scatter_gather)
         self.input_names = tuple(input_names)
         rows = stages_of(model)
         self.schedule_name = schedule or default_schedule(model)
@@ -120,8 +158,9 @@ class Pipeline:
         stage_class = _stage_class(pl)
         extra = {"rng_tracker": rng_tracker} if stage_class is not pl.PipelineStage else {}
         self._meter, self._metered = None, set()
-        self.stages = [stage_class(_StageModule(model, row["stage"], self._around), row["stage"], num_stages, device,
-                                   group=pg.pp.group, **extra) for row in rows]
+        tp = pg.tp if scatter_gather and pg.tp.size > 1 else None
+        self.stages = [stage_class(_StageModule(model, row["stage"], self._around, row, tp), row["stage"], num_stages,
+                                   device, group=pg.pp.group, **extra) for row in rows]
         self.has_last = any(row["post_process"] for row in rows)
         self.loss_scale = 1.0  # fp16: the scale of the step being run (step(loss_scale=...))
         self.weighted = False  # step(weights=...): the target is each token's weight

@@ -398,6 +398,9 @@ def _pipeline_totals(graph, raw: list, settings) -> dict:
             "activation_bytes": acts[st.index], "activation_working_bytes": working_set(on_stage[st.index]),
             "in_flight": flight,
             "send_bytes": sum(x.bytes for x in st.send), "recv_bytes": sum(x.bytes for x in st.recv),
+            # of which sent as 1/t slices and all-gathered over TP on arrival (runtime/pipeline.py)
+            "send_scattered_bytes": sum(x.bytes for x in st.send if scattered_over_tp(x, settings.tp)),
+            "recv_scattered_bytes": sum(x.bytes for x in st.recv if scattered_over_tp(x, settings.tp)),
             "flops": st.cost,
         })
     ranks = []
@@ -456,6 +459,16 @@ def working_set(entries: list) -> int:
     for last, items in regions.values():
         best = max(best, sum(items.values()) - freed_after[last])
     return best
+
+
+def scattered_over_tp(item, tp: int) -> bool:
+    """Whether the runtime sends a pipeline p2p tensor as each TP rank's 1/t slice of its last dim,
+    all-gathered over TP by the receiver (runtime/pipeline.py `scattered`, Narayanan et al. 2021's
+    scatter/gather): TP > 1, the value replicated over tp (no sequence parallelism) and its last
+    dim divisible by t."""
+    axes = dict(part.split(":", 1) for part in item.layout.split("/")) if ":" in item.layout else None
+    replicated = item.layout == "I" if axes is None else axes.get("tp") == "I"
+    return tp > 1 and replicated and bool(item.shape) and item.shape[-1] % tp == 0
 
 
 def _layer_of(graph, name: str):

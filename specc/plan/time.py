@@ -150,6 +150,14 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
             link = (machine.point_to_point if kind == "send" else machine.all_to_all) or link
         return collective_time(kind, nbytes, n, link, eff)
 
+    def p2p(st, way):
+        """(pp seconds, tp seconds) of a stage's `way` ("send": its activation forward, and the
+        all-gather of the gradient's slices that come back; "recv": the gradient back, and the
+        all-gather of the activation's slices that arrive). A value replicated over TP travels as
+        1/t slices, gathered over TP (runtime/pipeline.py); the rest whole."""
+        whole, cut = st[f"{way}_bytes"], st.get(f"{way}_scattered_bytes", 0)
+        return coll("send", whole - cut + cut / tp, "pp"), coll("all_gather", cut, "tp")
+
     # per stage, one micro-batch: forward, backward (recompute included), and where the time goes
     stages = pipe["stages"] if pipe else [{"stage": 0, "rank": 0, "layers": [], "send_bytes": 0, "recv_bytes": 0}]
     per_stage = [_Acc() for _ in stages]
@@ -162,8 +170,9 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
             if st["rank"] == r:
                 acc.merge(a)
                 # the activation forward to the next stage, its gradient back to the one before
-                p2p = coll("send", st["send_bytes"], "pp") + coll("send", st["recv_bytes"], "pp")
-                acc.add("pp", p2p, backward=False)
+                (send, gather_grad), (send_grad, gather) = p2p(st, "send"), p2p(st, "recv")
+                acc.add("pp", send + send_grad, backward=False)
+                acc.add("tp", gather + gather_grad, backward=False)
         ranks.append(acc)
     mb = [a.total for a in ranks]
     slowest = max(range(pp), key=lambda r: (mb[r], -r))
@@ -194,8 +203,8 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
             # and waits for all of them (collectives of one group run in order). What hides them is
             # the pipeline's fill: rank r's first forward starts after the stages before it ran
             # theirs.
-            fill = sum(per_stage[i].forward + coll("send", stages[i]["send_bytes"], "pp")
-                       for i in range(min(r, len(stages))))
+            fill = sum(per_stage[i].forward + p2p(stages[i], "send")[0] + p2p(stages[i + 1], "recv")[1]
+                       for i in range(min(r, len(stages) - 1)))
             gather = max(0.0, gather - fill)
         share = (dense + experts) / max(1, t["parameters"])
         sync = coll("all_reduce", t.get("tp_partial_grad_parameters", 0) * 4 * share, "tp") + \
