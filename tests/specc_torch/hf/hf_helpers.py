@@ -135,3 +135,28 @@ def save_specc(rank, world, family: str, directory: str):
         return specc_logits(model, pg)
     finally:
         pg.destroy()
+
+
+def sliced_parity_on_ranks(rank, world, tp, full, sources, expected, expected_loss, logits_of=specc_logits):
+    """{(tp, sp): (largest logit difference, largest loss difference)} of each compiled source
+    {(tp, sp): (model.py text, name)} at this TP size, with and without SP, against `expected`:
+    the imported tensors `full` (read once in the parent) sliced into each setting's model, what
+    load_checkpoint does at any TP (tested in runtime/checkpoint's tests), without reading the
+    checkpoint once per setting on a busy machine. `logits_of(model, pg)` runs the test's batch."""
+    from runtime.init import local_slice
+    from specc_torch.api import load_module_from_source
+
+    out = {}
+    pg = ProcessGroups.initialize(tp=tp)
+    try:
+        for sp in (False, True) if tp > 1 else (False,):
+            text, name = sources[tp, sp]
+            model = load_module_from_source(text, name).build_model(pg, seed=123)
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    p.copy_(local_slice(full[pname], p._specc_init))
+            logits, loss = logits_of(model, pg)
+            out[tp, sp] = ((logits - expected).abs().max().item(), (loss - expected_loss).abs().max().item())
+    finally:
+        pg.destroy()
+    return out

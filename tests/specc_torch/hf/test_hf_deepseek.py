@@ -21,6 +21,7 @@ import os
 
 import pytest
 import torch
+from hf_helpers import sliced_parity_on_ranks
 from safetensors.torch import load_file
 
 import specc_torch
@@ -95,29 +96,6 @@ def specc_logits(model, pg):
     return logits.transpose(0, 1).contiguous(), loss.float()
 
 
-def _parity_on_ranks(rank, world, tp, full, sources, expected, expected_loss):
-    """The imported tensors `full` (read once in the parent) sliced into each setting's model: what
-    load_checkpoint does at any TP (checked in the tests of runtime/checkpoint), without reading the
-    checkpoint 20 times on a busy machine."""
-    from runtime.init import local_slice
-    from specc_torch.api import load_module_from_source
-
-    out = {}
-    pg = ProcessGroups.initialize(tp=tp)
-    try:
-        for sp in (False, True) if tp > 1 else (False,):
-            text, name = sources[tp, sp]
-            model = load_module_from_source(text, name).build_model(pg, seed=123)
-            with torch.no_grad():
-                for pname, p in model.named_parameters():
-                    p.copy_(local_slice(full[pname], p._specc_init))
-            logits, loss = specc_logits(model, pg)
-            out[tp, sp] = ((logits - expected).abs().max().item(), (loss - expected_loss).abs().max().item())
-    finally:
-        pg.destroy()
-    return out
-
-
 def test_deepseek_v3_matches_transformers_at_tp_1_2_4_with_and_without_sp(gloo, tmp_path):
     from specc.settings import Settings
     from specc_torch.api import compile_source
@@ -135,7 +113,8 @@ def test_deepseek_v3_matches_transformers_at_tp_1_2_4_with_and_without_sp(gloo, 
     path = resolve(ckpt)
     full = read_tensors(path, list(read_info(path)["params"]))
     for tp in (1, 2, 4):  # one call a TP size: each well inside the pool's time limit on a busy machine
-        for rank, diffs in enumerate(gloo.run(4, _parity_on_ranks, tp, full, sources, expected, expected_loss)):
+        for rank, diffs in enumerate(gloo.run(4, sliced_parity_on_ranks, tp, full, sources, expected, expected_loss,
+                                                   specc_logits)):
             assert sorted(diffs) == [s for s in SETTINGS if s[0] == tp]
             for (_, sp), (logit_diff, loss_diff) in diffs.items():
                 assert logit_diff < TOL and loss_diff < TOL, (tp, sp, rank, logit_diff, loss_diff)

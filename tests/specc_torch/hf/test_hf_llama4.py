@@ -19,7 +19,7 @@ import os
 
 import pytest
 import torch
-from hf_helpers import batch, hf_loss, specc_logits
+from hf_helpers import batch, hf_loss, sliced_parity_on_ranks, specc_logits
 from safetensors.torch import load_file
 
 import specc_torch
@@ -70,28 +70,6 @@ def hf_logits(model):
     return model(input_ids=batch()[0]).logits.float()
 
 
-def _parity_on_ranks(rank, world, tp, full, sources, expected, expected_loss):
-    """The imported tensors `full` sliced into each setting's model (what load_checkpoint does at
-    any TP, tested in runtime/checkpoint's tests), without reading the checkpoint per setting."""
-    from runtime.init import local_slice
-    from specc_torch.api import load_module_from_source
-
-    out = {}
-    pg = ProcessGroups.initialize(tp=tp)
-    try:
-        for sp in (False, True) if tp > 1 else (False,):
-            text, name = sources[tp, sp]
-            model = load_module_from_source(text, name).build_model(pg, seed=123)
-            with torch.no_grad():
-                for pname, p in model.named_parameters():
-                    p.copy_(local_slice(full[pname], p._specc_init))
-            logits, loss = specc_logits(model, pg)
-            out[tp, sp] = ((logits - expected).abs().max().item(), (loss - expected_loss).abs().max().item())
-    finally:
-        pg.destroy()
-    return out
-
-
 def test_llama4_matches_transformers_at_tp_1_2_4_with_and_without_sp_and_round_trips(gloo, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -111,7 +89,7 @@ def test_llama4_matches_transformers_at_tp_1_2_4_with_and_without_sp_and_round_t
     path = resolve(ckpt)
     full = read_tensors(path, list(read_info(path)["params"]))
     for tp in (1, 2, 4):  # one call a TP size: each well inside the pool's time limit on a busy machine
-        for rank, diffs in enumerate(gloo.run(4, _parity_on_ranks, tp, full, sources, expected, expected_loss)):
+        for rank, diffs in enumerate(gloo.run(4, sliced_parity_on_ranks, tp, full, sources, expected, expected_loss)):
             assert sorted(diffs) == [s for s in SETTINGS if s[0] == tp]
             for (_, sp), (logit_diff, loss_diff) in diffs.items():
                 assert logit_diff < TOL and loss_diff < TOL, (tp, sp, rank, logit_diff, loss_diff)
