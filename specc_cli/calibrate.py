@@ -61,6 +61,7 @@ ALL_REDUCE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 SEND_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 ALL_TO_ALL_BYTES = SEND_BYTES
 OP_CHAINS = (8, 32, 64)  # op calls per chain
+OVERLAP_POINTS = ((256, 1 << 20), (384, 1 << 22), (512, 1 << 22))  # (GEMM n, all-reduce bytes)
 
 
 def _slowest(seconds: float) -> float:
@@ -146,7 +147,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
         memory.append(((2 * 4 + 1) * n, _timed(lambda: fn.dropout(x, 0.1, True), reps)))
         memory.append((2 * 4 * n, _timed(lambda: torch.softmax(rows, -1), reps)))
         memory.append((2 * 4 * n, _timed(lambda: fn.layer_norm(rows, (256,)), reps)))
-    collectives, sends, all_to_all = [], [], []
+    collectives, sends, all_to_all, overlap = [], [], [], []
     if world > 1:
         for nbytes in ALL_REDUCE_BYTES:
             t = torch.ones(nbytes // 4)
@@ -163,6 +164,16 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
         for nbytes in ALL_TO_ALL_BYTES:
             src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
             all_to_all.append((nbytes, _timed(lambda: comm.all_to_all(dst, src, pg.dp), reps)))
+        for n, nbytes in OVERLAP_POINTS:
+            a, b, t = torch.randn(n, n), torch.randn(n, n), torch.ones(nbytes // 4)
+
+            def beside():  # the runtime's overlap: an async collective, compute, then its wait()
+                work = comm.all_reduce(t, pg.dp, async_op=True)
+                torch.mm(a, b)
+                work.wait()
+
+            overlap.append((_timed(lambda: torch.mm(a, b), reps), _timed(lambda: comm.all_reduce(t, pg.dp), reps),
+                            _timed(beside, reps)))
     overhead = []
     for k in OP_CHAINS:
         norms = [LayerNorm(16) for _ in range(k)]
@@ -182,7 +193,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
     except (OSError, ValueError):
         pass
     if rank == 0:
-        out.update(gemm=gemm, attention=attention, memory=memory, collectives=collectives, sends=sends, all_to_all=all_to_all,
+        out.update(gemm=gemm, attention=attention, overlap=overlap, memory=memory, collectives=collectives, sends=sends, all_to_all=all_to_all,
                    overhead=overhead, rss=rss,
                    transport=pg.transport_summary(), threads=torch.get_num_threads())
     dist.barrier()
@@ -255,6 +266,9 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
     p2p_latency, p2p_bw = _link(m["sends"], 1, 1.0) if m["sends"] else (latency, link_bw)
     a2a_latency, a2a_bw = _link(m["all_to_all"], ranks - 1, (ranks - 1) / ranks) if m["all_to_all"] else \
         (latency, link_bw)
+    # the share of the shorter of a GEMM and an all-reduce that running them together saves
+    hidden = [min(1.0, max(0.0, (g + c - both) / min(g, c))) for g, c, both in m.get("overlap", [])]
+    overlap = statistics.median(hidden) if hidden else None
     op_overhead = max(0.0, _fit([k for k, _ in m["overhead"]], [t for _, t in m["overhead"]])[1] / 2)
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -310,6 +324,12 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
         f"  gemm_half_flops: {half:.4e}         # fp32's fixed cost per GEMM, in FLOPs",
         "  memory: 1.0",
         "  link: 1.0",
+    ]
+    if overlap is not None:
+        lines.append(f"  overlap: {overlap:.4f}              # all-reduce beside a GEMM: the share of the shorter hidden, "
+                     "GEMM/all-reduce/together: " + "  ".join(f"{g * 1e3:.2f}/{c * 1e3:.2f}/{b * 1e3:.2f}ms"
+                                                              for g, c, b in m["overlap"]))
+    lines += [
         f"  op_overhead: {op_overhead:.4e}       # s per op call each way: chains of k LayerNorm calls "
         "forward + backward, slope / 2; " + "  ".join(f"k={k}:{t * 1e3:.3f}ms" for k, t in m["overhead"]),
         f"framework_memory_bytes: {m['rss']:.4e}     # resident memory of a rank with torch and the runtime loaded",

@@ -12,7 +12,9 @@ node take instead of `intra_node` (gloo carries both itself, not through the sha
 runtime's other CPU collectives use; absent: they take the node's link). `efficiency.attention`
 (optional, 1 when absent) is the rate of fused attention kernels (sdpa, flash, TE) over the GEMM
 rate on the FLOPs the plan counts for them: many small per-head products with the softmax in
-between reach less of the peak than one large GEMM. `--machine` takes a shipped profile's name or a profile file's path."""
+between reach less of the peak than one large GEMM. `efficiency.overlap` (optional, 1 when
+absent) is the share of a collective's time that compute issued beside it hides: 1 where copy
+engines and NICs move the data (GPUs), less on a CPU host, whose cores both compute and copy. `--machine` takes a shipped profile's name or a profile file's path."""
 
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class Machine:
     point_to_point: Link | None = None  # the link of sends inside a node, when not intra_node's
     all_to_all: Link | None = None  # the link of all-to-alls inside a node, when not intra_node's
     attention_efficiency: float = 1.0  # a fused attention kernel's rate over the GEMM rate (absent: 1)
+    comm_overlap: float = 1.0  # the share of a collective's time compute running beside it hides (absent: 1)
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops[dtype]
@@ -155,4 +158,5 @@ def _machine(doc, path: str, source: str) -> Machine:
         framework_memory_bytes=number(doc, "framework_memory_bytes", least=-1e-300), source=source,
         op_overhead=number(eff, "op_overhead", least=-1e-300) if "op_overhead" in eff else 0.0,
         point_to_point=links.get("point_to_point"), all_to_all=links.get("all_to_all"),
-        attention_efficiency=number(eff, "attention") if "attention" in eff else 1.0)
+        attention_efficiency=number(eff, "attention") if "attention" in eff else 1.0,
+        comm_overlap=number(eff, "overlap", least=-1e-300, most=1.0) if "overlap" in eff else 1.0)

@@ -15,8 +15,9 @@ and the memory each GPU needs. docs/planning.md states the model; in short:
 * on a profile with `op_overhead` (a calibrated host), every op call that runs a kernel or a
   collective costs that many seconds more, forward and backward each (and its forward again
   when recomputed): the framework's dispatch, autograd and allocation;
-* only the overlaps the runtime performs: an op's collectives beside its own GEMMs where its
-  `comm_hidden` says so (a column-parallel linear's backward gather, reduce-scatter or all-reduce
+* only the overlaps the runtime performs, each hiding the profile's `overlap` share of the
+  compute beside it (1 on the datasheet profiles; a CPU host's cores both compute and copy): an
+  op's collectives beside its own GEMMs where its `comm_hidden` says so (a column-parallel linear's backward gather, reduce-scatter or all-reduce
   beside its grad-input and weight-gradient GEMMs; the CP ring's steps beside the block
   computations), the data-parallel gradient buckets beside the last micro-batch's backward (all
   but the last bucket); nothing else;
@@ -191,7 +192,7 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
         last = coll(grad_mode, min(BUCKET_ELEMENTS, last_elements) * 4, last_axis)
         if job.overlap_grad_reduce:  # each bucket starts when its gradients are in: the last one is exposed
             window = ranks[r].backward  # the last micro-batch's backward on this rank
-            dp_exposed = last + max(0.0, full - last - window) if full > 0 else 0.0
+            dp_exposed = last + max(0.0, full - last - machine.comm_overlap * window) if full > 0 else 0.0
         else:  # every bucket after backward
             dp_exposed = full
         gather = (coll("all_gather", dense * elt, "dp") + coll("all_gather", experts * elt, "edp")
@@ -205,7 +206,7 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
             # theirs.
             fill = sum(per_stage[i].forward + p2p(stages[i], "send")[0] + p2p(stages[i + 1], "recv")[1]
                        for i in range(min(r, len(stages) - 1)))
-            gather = max(0.0, gather - fill)
+            gather = max(0.0, gather - machine.comm_overlap * fill)
         share = (dense + experts) / max(1, t["parameters"])
         sync = coll("all_reduce", t.get("tp_partial_grad_parameters", 0) * 4 * share, "tp") + \
             coll("all_reduce", t.get("cp_partial_grad_parameters", 0) * 4 * share, "cp")
@@ -302,7 +303,7 @@ def _add_entry(acc: _Acc, mult: float, e, machine, dtype: str, coll) -> None:
         acc.add("compute", mult * gemm, backward)
         times = [(axis, coll(kind, nbytes, axis)) for (kind, nbytes), axis in zip(colls, axes)]
         total = sum(x for _, x in times)
-        exposed = max(0.0, total - hidden * gemm)
+        exposed = max(0.0, total - machine.comm_overlap * hidden * gemm)
         for axis, x in times:
             if total > 0:
                 acc.add(axis, mult * exposed * x / total, backward)

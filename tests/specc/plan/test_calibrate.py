@@ -30,6 +30,8 @@ def test_profile_recovers_the_constants(tmp_path):
                      for f in [2.0 * m_ * k * n_ * n ** 3] for v in GEMM_VARIANTS] for d in DTYPES},
         # fused attention at 0.4 of the fp32 GEMM rate: forward (F + F_half), backward twice that
         "attention": [(f, 3 * (f + half) / (0.4 * rate["fp32"])) for f in (1e8, 4e8, 9e8)],
+        # (GEMM alone, all-reduce alone, together): 0.6 of the shorter hidden
+        "overlap": [(2e-3, 1e-3, 2.4e-3), (4e-3, 5e-3, 6.4e-3), (1e-3, 1e-3, 1.4e-3)],
         "memory": [(k * n, k * n / bandwidth) for n in ELEMENTWISE for k in (12, 8, 9, 8, 8)],
         "collectives": [(b, 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * b / link) for b in ALL_REDUCE_BYTES],
         "sends": [(b, p2p_latency + b / p2p_link) for b in SEND_BYTES],
@@ -45,6 +47,7 @@ def test_profile_recovers_the_constants(tmp_path):
         assert m.peak(d) == pytest.approx(rate[d], rel=1e-3)
     assert m.gemm_half_flops == pytest.approx(half, rel=1e-3)
     assert m.attention_efficiency == pytest.approx(0.4, rel=1e-3)
+    assert m.comm_overlap == pytest.approx(0.6, rel=1e-3)
     assert m.memory_bandwidth == pytest.approx(bandwidth, rel=1e-3)
     assert m.intra_node.latency == pytest.approx(latency, rel=1e-3) and m.intra_node.bandwidth == pytest.approx(link, rel=1e-3)
     assert m.point_to_point.latency == pytest.approx(p2p_latency, rel=1e-3)

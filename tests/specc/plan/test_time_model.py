@@ -117,6 +117,28 @@ def test_fused_attention_runs_at_the_profiles_share_of_the_gemm_rate():
     assert predict(unfused, seq, A100, Job(1, 3))["step_time_s"] == predict(unfused, seq, half, Job(1, 3))["step_time_s"]
 
 
+def test_overlap_share_hides_that_much_of_the_compute_beside_a_collective():
+    """efficiency.overlap: at 0 nothing is hidden, every collective and the DP reduction count
+    whole (their sum is the step's communication); at 1 the model's overlaps as before; the
+    compute itself does not change."""
+    plan, seq = plan_of(tp=2, sp=True)
+    none, full = (predict(plan, seq, dataclasses.replace(A100, comm_overlap=x), Job(4, 8))["breakdown_s"]
+                  for x in (0.0, 1.0))
+    assert none["compute"] == full["compute"] and none["memory_bound"] == full["memory_bound"]
+    assert none["tp_comm"] > full["tp_comm"] and none["dp_grad_reduce"] >= full["dp_grad_reduce"]
+    free = dataclasses.replace(free_compute(A100), comm_overlap=1.0)  # nothing to hide behind: equal
+    a, b = (predict(plan, seq, dataclasses.replace(free, comm_overlap=x), Job(4, 8))["step_time_s"] for x in (0.0, 1.0))
+    assert a == pytest.approx(b, rel=1e-12)
+    # at 0 the TP collectives cost their closed forms in full: the sum over the entries
+    tp_link = group_link(A100, 1, 2)[0]
+    want = 0.0
+    for e in plan.entries:
+        for (kind, nbytes), axis in zip(list(e.forward) + list(e.backward), e.comm_axes[0] + e.comm_axes[1]):
+            if axis == "tp":
+                want += e.count * collective_time(kind, nbytes, 2, tp_link, A100.link_efficiency)
+    assert none["tp_comm"] == pytest.approx(want * 8 / 2, rel=1e-9)  # 8 samples / (micro-batch 1 x DP 2)
+
+
 def test_pipeline_bubble():
     assert bubble_time(8, 1, 2.0) == pytest.approx(14.0)
     assert bubble_time(8, 2, 2.0) == pytest.approx(7.0)  # interleaving divides it by V
