@@ -30,6 +30,9 @@ same time, so ranks sharing cores measure the share they get:
   the shared memory its collectives use); and the all-to-all over the N ranks by size
   (runtime.comm.all_to_all, EP's) to the ring form's (N-1) latency + (N-1)/N bytes / bandwidth,
   the profile's `all_to_all` link (gloo's own too);
+* the optimizer step (the gradient's norm and torch's fused AdamW, the runtime's, over a flat fp32
+  buffer): the bytes the time model counts for it over its time, against the memory bandwidth,
+  is `efficiency.optimizer`;
 * the framework's cost per op call: forward and backward of chains of k tiny runtime.LayerNorm
   calls (a few elements each, so the kernels cost next to nothing), fitted to t = a + k c; half
   of c is `op_overhead`, the seconds an op call costs each way beyond its kernels.
@@ -48,6 +51,7 @@ import sys
 import time
 
 from specc.errors import Loc, SpecError
+from specc.plan.time import OPTIMIZER_BYTES_PER_ELEMENT
 
 GEMM_SIZES = {"fp32": (64, 128, 192, 256, 384), "bf16": (32, 64, 128),
               "fp16": (32, 64, 128)}  # n; 16-bit matmuls are slow on CPUs without matrix units
@@ -62,6 +66,7 @@ SEND_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 ALL_TO_ALL_BYTES = SEND_BYTES
 OP_CHAINS = (8, 32, 64)  # op calls per chain
 OVERLAP_POINTS = ((256, 1 << 20), (384, 1 << 22), (512, 1 << 22))  # (GEMM n, all-reduce bytes)
+OPTIMIZER_ELEMENTS = (1 << 20, 1 << 22)  # parameters (fp32) of the timed optimizer step
 
 
 def _slowest(seconds: float) -> float:
@@ -147,6 +152,17 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
         memory.append(((2 * 4 + 1) * n, _timed(lambda: fn.dropout(x, 0.1, True), reps)))
         memory.append((2 * 4 * n, _timed(lambda: torch.softmax(rows, -1), reps)))
         memory.append((2 * 4 * n, _timed(lambda: fn.layer_norm(rows, (256,)), reps)))
+    optimizer = []
+    for n in OPTIMIZER_ELEMENTS:  # the runtime's step: the gradient's norm, then torch's fused AdamW
+        param = torch.nn.Parameter(torch.randn(n))
+        param.grad = torch.randn(n)
+        adam = torch.optim.AdamW([param], lr=1e-4, fused=True)
+
+        def step():
+            torch.linalg.vector_norm(param.grad)
+            adam.step()
+
+        optimizer.append((n, _timed(step, reps)))
     collectives, sends, all_to_all, overlap = [], [], [], []
     if world > 1:
         for nbytes in ALL_REDUCE_BYTES:
@@ -193,7 +209,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
     except (OSError, ValueError):
         pass
     if rank == 0:
-        out.update(gemm=gemm, attention=attention, overlap=overlap, memory=memory, collectives=collectives, sends=sends, all_to_all=all_to_all,
+        out.update(gemm=gemm, attention=attention, overlap=overlap, optimizer=optimizer, memory=memory, collectives=collectives, sends=sends, all_to_all=all_to_all,
                    overhead=overhead, rss=rss,
                    transport=pg.transport_summary(), threads=torch.get_num_threads())
     dist.barrier()
@@ -269,6 +285,8 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
     # the share of the shorter of a GEMM and an all-reduce that running them together saves
     hidden = [min(1.0, max(0.0, (g + c - both) / min(g, c))) for g, c, both in m.get("overlap", [])]
     overlap = statistics.median(hidden) if hidden else None
+    # the optimizer step's bytes as the time model counts them for fp32 Adam, over its time
+    opt_rate = [n * OPTIMIZER_BYTES_PER_ELEMENT / t for n, t in m.get("optimizer", [])]
     op_overhead = max(0.0, _fit([k for k, _ in m["overhead"]], [t for _, t in m["overhead"]])[1] / 2)
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -325,6 +343,11 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
         "  memory: 1.0",
         "  link: 1.0",
     ]
+    if opt_rate:
+        lines.append(f"  optimizer: {statistics.median(opt_rate) / bandwidth:.4f}            # fused AdamW step and "
+                     "gradient norm over a flat fp32 buffer, the model's bytes over time: "
+                     + "  ".join(f"{n}:{r / 1e9:.1f}GB/s" for (n, _), r in zip(m["optimizer"], opt_rate))
+                     + ", over memory_bandwidth")
     if overlap is not None:
         lines.append(f"  overlap: {overlap:.4f}              # all-reduce beside a GEMM: the share of the shorter hidden, "
                      "GEMM/all-reduce/together: " + "  ".join(f"{g * 1e3:.2f}/{c * 1e3:.2f}/{b * 1e3:.2f}ms"

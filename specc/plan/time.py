@@ -216,7 +216,7 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
             tie = collective_time("all_reduce", tied * 4, 2, group_link(machine, tp * cp * dp * (pp - 1), 2)[0], eff)
         opt_elements = (dense / dp + experts / (dp // ep)) if job.distributed_optimizer else dense + experts
         per_element = OPTIMIZER_BYTES_PER_ELEMENT + (elt if dtype != "fp32" else 0)
-        optimizer = memory_time(opt_elements * per_element, machine)
+        optimizer = memory_time(opt_elements * per_element, machine) / machine.optimizer_efficiency
         post.append({"dp_grad_reduce": dp_exposed, "dp_param_gather": gather, "partial_grad_sync": sync,
                      "tied_embedding_sync": tie, "optimizer": optimizer})
     last_rank = max(range(pp), key=lambda r: (sum(post[r].values()), -r))

@@ -32,6 +32,8 @@ def test_profile_recovers_the_constants(tmp_path):
         "attention": [(f, 3 * (f + half) / (0.4 * rate["fp32"])) for f in (1e8, 4e8, 9e8)],
         # (GEMM alone, all-reduce alone, together): 0.6 of the shorter hidden
         "overlap": [(2e-3, 1e-3, 2.4e-3), (4e-3, 5e-3, 6.4e-3), (1e-3, 1e-3, 1.4e-3)],
+        # the fused optimizer step streams its 32 bytes an element at 2.5x the kernel mix's rate
+        "optimizer": [(n, n * 32 / (2.5 * bandwidth)) for n in (1 << 20, 1 << 22)],
         "memory": [(k * n, k * n / bandwidth) for n in ELEMENTWISE for k in (12, 8, 9, 8, 8)],
         "collectives": [(b, 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * b / link) for b in ALL_REDUCE_BYTES],
         "sends": [(b, p2p_latency + b / p2p_link) for b in SEND_BYTES],
@@ -48,6 +50,7 @@ def test_profile_recovers_the_constants(tmp_path):
     assert m.gemm_half_flops == pytest.approx(half, rel=1e-3)
     assert m.attention_efficiency == pytest.approx(0.4, rel=1e-3)
     assert m.comm_overlap == pytest.approx(0.6, rel=1e-3)
+    assert m.optimizer_efficiency == pytest.approx(2.5, rel=1e-3)
     assert m.memory_bandwidth == pytest.approx(bandwidth, rel=1e-3)
     assert m.intra_node.latency == pytest.approx(latency, rel=1e-3) and m.intra_node.bandwidth == pytest.approx(link, rel=1e-3)
     assert m.point_to_point.latency == pytest.approx(p2p_latency, rel=1e-3)

@@ -139,6 +139,14 @@ def test_overlap_share_hides_that_much_of_the_compute_beside_a_collective():
     assert none["tp_comm"] == pytest.approx(want * 8 / 2, rel=1e-9)  # 8 samples / (micro-batch 1 x DP 2)
 
 
+def test_optimizer_efficiency_divides_the_optimizer_step_alone():
+    plan, seq = plan_of()
+    a, b = (predict(plan, seq, dataclasses.replace(A100, optimizer_efficiency=x), Job(2, 4))["breakdown_s"]
+            for x in (1.0, 4.0))
+    assert b["optimizer"] == pytest.approx(a["optimizer"] / 4, rel=1e-12) and a["optimizer"] > 0
+    assert {k: v for k, v in a.items() if k != "optimizer"} == {k: v for k, v in b.items() if k != "optimizer"}
+
+
 def test_pipeline_bubble():
     assert bubble_time(8, 1, 2.0) == pytest.approx(14.0)
     assert bubble_time(8, 2, 2.0) == pytest.approx(7.0)  # interleaving divides it by V
