@@ -226,20 +226,21 @@ def run(cfg: TrainConfig, stream=None) -> int:
     # What to load: --load, or on an elastic restart the newest checkpoint this run saved; a
     # checkpoint without optimizer and data state (`specc hf import`) gives the weights only.
     load, weights_only, skip_optimizer = cfg.checkpoint.load, False, False
+    given = cfg.checkpoint.load  # what --load names (a Megatron checkpoint: its conversion)
     fresh = starts_fresh(cfg)  # --save X --load X, nothing in X yet
     if fresh:
         load = None
     try:
         if own and latest_step(cfg.checkpoint.save) is not None:
             load = cfg.checkpoint.save
-        elif load and is_foreign_megatron_dir(load):  # weights only (--finetune, megatron_load_rules)
-            load = megatron_import(cfg, local_rank, world)
+        elif load and is_foreign_megatron_dir(load):  # converted as --finetune / --no-load-optim say
+            load = given = megatron_import(cfg, local_rank, world)  # (megatron_load_rules)
         if load:
             info = read_info(checkpoint_path(load))
-            weights_only = info.get("optimizer") is None or not info.get("data")
+            skip_optimizer = cfg.checkpoint.no_load_optim and load == given
+            weights_only = (info.get("optimizer") is None and not skip_optimizer) or not info.get("data")
             # --finetune: the weights only; --no-load-optim: also the iteration and data position
-            weights_only = weights_only or (cfg.checkpoint.finetune and load == cfg.checkpoint.load)
-            skip_optimizer = cfg.checkpoint.no_load_optim and load == cfg.checkpoint.load
+            weights_only = weights_only or (cfg.checkpoint.finetune and load == given)
     except CheckpointError as e:
         return stop(e)
     try:
@@ -306,6 +307,11 @@ def run(cfg: TrainConfig, stream=None) -> int:
         if fresh:
             reporter.info(f"--load {cfg.checkpoint.load}: no checkpoint there yet (it is the --save directory too): "
                           f"training starts from scratch")
+        if load and given != cfg.checkpoint.load:  # a Megatron checkpoint (megatron_import)
+            what = ("its weights" if weights_only else "its weights, iteration and data position"
+                    + ("" if skip_optimizer else " and optimizer state"))
+            reporter.info(f"--load {cfg.checkpoint.load}: a Megatron Core checkpoint, converted through the spec's "
+                          f"megatron.checkpoint names into {load}: {what} load")
         state = TrainState()
         if load and weights_only:  # the model's weights only: iteration 0, a fresh optimizer
             try:

@@ -111,21 +111,37 @@ def save_checkpoint(directory: str, step: int, model: torch.nn.Module, pg: Proce
 
 
 def save_tensors(directory: str, step: int, tensors: dict, *, spec_sha256: str | None = None,
-                 spec_name: str | None = None, config=None, keep_last: int | None = None) -> str:
+                 spec_name: str | None = None, config=None, keep_last: int | None = None, optimizer: dict | None = None,
+                 scheduler_state=None, data_state=None) -> str:
     """A checkpoint of full tensors by parameter name, from one process (e.g. an imported model):
-    loadable by load_checkpoint at any TP/DP layout."""
+    loadable by load_checkpoint at any TP/DP layout. optimizer: {"step": n, STATE: {parameter:
+    full tensor}} (e.g. exp_avg, exp_avg_sq, master), stored as adam_state's ParamShards are, so
+    that load_checkpoint(optimizer_state=adam_state(...)) fills an optimizer at any layout."""
     world = _World()
-    entries, described = {}, {}
+    entries, described, opt_described = {}, {}, {}
     for name, t in tensors.items():
         t = t.detach().contiguous()
         entries[f"model/{name}"] = Boxes(tuple(t.shape), t.dtype, [((0,) * t.dim(), t)])
         described[name] = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
-    entries["replicated"] = {"optimizer": None, "scheduler": None, "data": None, "step": step}
+    for state, per_param in (optimizer or {}).items():
+        if state == "step":
+            continue
+        for name, t in per_param.items():
+            if name not in tensors or tuple(t.shape) != tuple(tensors[name].shape):
+                raise ValueError(f"optimizer state {state}/{name} has no parameter of its shape")
+            t = t.detach().contiguous()
+            entries[f"optimizer/{state}/{name}"] = Boxes(tuple(t.shape), t.dtype, [((0,) * t.dim(), t)])
+            opt_described[f"{state}/{name}"] = {"param": name, "shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
+    _check_plain(scheduler_state, "scheduler_state")
+    _check_plain(data_state, "data_state")
+    entries["replicated"] = {"optimizer": {("step",): int(optimizer["step"])} if optimizer else None,
+                             "scheduler": scheduler_state, "data": data_state, "step": step}
     info = {
         "format": FORMAT, "version": VERSION, "step": step,
         "spec": {"name": spec_name, "sha256": spec_sha256},
         "layout": _layout(ProcessGroups.single()),
-        "params": described, "optimizer": None, "scheduler": False, "data": False, "rng": False,
+        "params": described, "optimizer": {"sharded": opt_described} if optimizer else None,
+        "scheduler": scheduler_state is not None, "data": data_state is not None, "rng": False,
         "config": _jsonable(config), "torch": torch.__version__,
     }
     return _write(directory, step, entries, info, world, keep_last)
@@ -342,3 +358,31 @@ def read_tensors(directory: str, names=None, step: int | None = None, verify_che
         raise CheckpointError(f"{path}: the saved data is of step {saved_step}, but {INFO} says step {info['step']} "
                               f"(an edited {INFO}?)")
     return {n: entries[f"model/{n}"].boxes[0][1] for n in names}
+
+
+def read_optimizer_tensors(directory: str, step: int | None = None, verify_checksums: bool = True) -> dict | None:
+    """The per-parameter optimizer state of a checkpoint at full shape, {"step": the optimizer's
+    step count, STATE: {parameter: tensor}} (adam_state's names: exp_avg, exp_avg_sq, master;
+    SGD's momentum_buffer), or None where it holds none."""
+    world = _World()
+    path = resolve(directory, step)
+    info = read_info(path)
+    if info.get("optimizer") is None:
+        return None
+    _verify_files(path, info, world, verify_checksums)
+    sharded = info["optimizer"].get("sharded") or {}
+    entries = {}
+    for key, d in sharded.items():
+        shape, dtype = tuple(d["shape"]), getattr(torch, d["dtype"])
+        entries[f"optimizer/{key}"] = Boxes(shape, dtype, [((0,) * len(shape), torch.empty(shape, dtype=dtype))])
+    entries["replicated"] = None
+    try:
+        dcp.load(path, entries)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path}: reading the checkpoint failed: {_first_line(e)}") from None
+    saved = (entries["replicated"] or {}).get("optimizer") or {}
+    out = {"step": saved.get(("step",))}
+    for key, d in sharded.items():
+        state = key.split("/", 1)[0]
+        out.setdefault(state, {})[d["param"]] = entries[f"optimizer/{key}"].boxes[0][1]
+    return out

@@ -15,8 +15,11 @@ Nothing here knows a model family. What is Megatron's and not the spec's lives i
 folders, the layer stacking of torch_dist, the legacy per-rank files. A legacy checkpoint's TP
 shards are joined the way the spec's parameter is sharded, which is Megatron's too: along its
 shard dim, segment by segment for a fused parameter ([gate_r | up_r] on rank r), and in one piece
-for a `permute`d one (rank r holds whole query groups). Weights only: optimizer state is not
-converted (see import_megatron).
+for a `permute`d one (rank r holds whole query groups). Optimizer state: Adam's moments (and
+fp32 master weights) are per parameter at its shape in Megatron's non-distributed optimizer and in
+its distributed optimizer's model-space layouts (optimizer.state.exp_avg.NAME, ...), so they go
+through the same names and row permutations as the weights; the step count and param_groups are
+in the common state (read_weights, optimizer_common).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.checkpoint import read_info, read_tensors, resolve, save_tensors
+from runtime.checkpoint import read_info, read_optimizer_tensors, read_tensors, resolve, save_tensors
 from runtime.checkpoint.core import check_params, check_spec
 from specc.errors import Loc, SpecError, did_you_mean
 from specc.frontend.load import read_spec
@@ -42,6 +45,7 @@ from .files import (
     checkpoint_format,
     dist_tensors,
     iteration_dir,
+    read_common,
     read_dist,
     read_legacy,
     write_dist,
@@ -132,18 +136,28 @@ def _join_legacy(shards: list, meta, entry) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
-def read_weights(load_dir: str, spec_path: str, overrides: dict | None = None, iteration: int | None = None) -> dict:
+def read_weights(load_dir: str, spec_path: str, overrides: dict | None = None, iteration: int | None = None,
+                 optimizer_state: bool = False) -> dict:
     """A Megatron checkpoint's weights as the spec's full tensors: {"tensors", "iteration",
-    "format", "optimizer" (whether it holds optimizer state, which is not read), "path"}."""
+    "format", "optimizer" (whether it holds optimizer state), "path", "consumed_samples" (its
+    args', or None)}; with `optimizer_state`, also "optimizer_state": {"step", "states":
+    {state: {parameter: full tensor}}} (Adam's exp_avg and exp_avg_sq, "master" from Megatron's
+    fp32_param), mapped as the weights are, or None where the checkpoint has none. A layout of
+    optimizer state that is not read is a MegatronError (optimizer_layout)."""
     spec, identity, params = model_params(spec_path, overrides)
     entries, ignore, _extra = mapping_of(spec_path, spec)
     bound = bind(entries, params, spec.name, Loc(spec_path))
     path, it = iteration_dir(load_dir, iteration)
     fmt = checkpoint_format(path)
+    states, step, consumed = {}, None, None
     if fmt == "torch_dist":
         available = dist_tensors(path)
         objects = available.pop(None)
         optimizer = any(k.startswith("optimizer.") for k in available) or any(o.startswith("optimizer.") for o in objects)
+        common = read_common(path)
+        optimizer = optimizer or common.get("optimizer") is not None
+        consumed = getattr(common.get("args"), "consumed_train_samples", None)
+        moments = {k: v for k, v in available.items() if k.startswith("optimizer.")}
         available = {k: v for k, v in available.items() if not k.startswith("optimizer.")}
         for name, (entry, mname) in bound.items():
             if mname not in available:
@@ -152,10 +166,30 @@ def read_weights(load_dir: str, spec_path: str, overrides: dict | None = None, i
             if entry.permute is None and shape != tuple(params[name].full_shape):
                 raise MegatronError(f"{path}: {mname} is {list(shape)} in the checkpoint, but spec {spec.name}'s {name} "
                                     f"is {list(params[name].full_shape)}{_vocab_hint(spec, shape, params[name].full_shape)}")
-        got = read_dist(path, {mname: available[mname] for _e, mname in bound.values()})
-        used = set(got)
+        wanted = {mname: available[mname] for _e, mname in bound.values()}
+        if optimizer_state and optimizer:
+            optimizer_layout(path, common, objects)
+            step = optimizer_step(path, common.get("optimizer"))
+            for state in sorted({k.split(".")[2] for k in moments}):
+                for name, (_entry, mname) in bound.items():
+                    key = f"optimizer.state.{state}.{mname}"
+                    if key not in moments:
+                        raise MegatronError(f"{path}: its optimizer state has no {key} (for {spec.name}'s {name})")
+                    if tuple(moments[key][2]) != tuple(available[mname][2]):
+                        raise MegatronError(f"{path}: {key} is {list(moments[key][2])}, but {mname} is "
+                                            f"{list(available[mname][2])}")
+                    wanted[key] = moments[key]
+                states[state] = {name: f"optimizer.state.{state}.{mname}" for name, (_e, mname) in bound.items()}
+            if not states:
+                raise MegatronError(f"{path}: its optimizer state holds no per-parameter tensors (optimizer.state.*)")
+        got = read_dist(path, wanted)
+        used = {mname for _e, mname in bound.values()}
     else:
         shards, optimizer = read_legacy(path)
+        if optimizer_state and optimizer:
+            raise MegatronError(f"{path}: the optimizer state of Megatron's legacy torch format is not read (it is "
+                                "pickled per rank in its own buffers' order): load with --no-load-optim or --finetune, "
+                                "or save it from Megatron with --ckpt-format torch_dist")
         tps = sorted({tp for tp, _pp in shards})
         available = {}
         for (tp, pp), model in sorted(shards.items()):
@@ -175,10 +209,9 @@ def read_weights(load_dir: str, spec_path: str, overrides: dict | None = None, i
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise MegatronError(f"{path}: tensor {extra[0]}{more} is not in spec {spec.name}'s megatron checkpoint "
                             "mapping (map it, or list it under megatron.checkpoint.ignore)")
-    tensors = {}
-    for name, (entry, mname) in bound.items():
-        t, want = got[mname], tuple(params[name].full_shape)
-        if entry.permute is not None:
+    def to_spec(name, entry, mname, t):
+        want = tuple(params[name].full_shape)
+        if entry.permute is not None:  # Megatron's rows per query group (the moments' too)
             groups, sections = entry.permute
             if t.dim() == 0 or t.shape[0] != groups * sum(sections) or tuple(t.shape[1:]) != want[1:]:
                 raise MegatronError(f"{path}: {mname} is {list(t.shape)} in the checkpoint, but spec {spec.name}'s "
@@ -187,25 +220,116 @@ def read_weights(load_dir: str, spec_path: str, overrides: dict | None = None, i
         if tuple(t.shape) != want:
             raise MegatronError(f"{path}: {mname} is {list(t.shape)} in the checkpoint, but spec {spec.name}'s {name} is "
                                 f"{list(want)}{_vocab_hint(spec, tuple(t.shape), want)}")
-        tensors[name] = t.contiguous()
+        return t.contiguous()
+
+    tensors = {name: to_spec(name, entry, mname, got[mname]) for name, (entry, mname) in bound.items()}
+    opt = None
+    if states:
+        opt = {"step": step, "states": {MEGATRON_STATES.get(state, state): {
+            name: to_spec(name, bound[name][0], key, got[key]) for name, key in keys.items()}
+            for state, keys in states.items()}, "hyper": optimizer_hyper(common.get("optimizer"))}
     return {"tensors": tensors, "iteration": it, "format": fmt, "optimizer": optimizer, "path": path,
-            "spec": spec, "identity": identity}
+            "spec": spec, "identity": identity, "optimizer_state": opt,
+            "consumed_samples": consumed if isinstance(consumed, int) else None}
+
+
+# Megatron's per-parameter optimizer state names that differ from runtime.optim's
+MEGATRON_STATES = {"fp32_param": "master"}
+# its distributed optimizer's layouts whose state is per parameter at the model's shapes (as the
+# non-distributed optimizers'); the others keep flat per-data-parallel-rank buffers
+MODEL_SPACE = ("fully_reshardable", "fully_sharded_model_space")
+
+
+def _find(obj, key: str) -> list:
+    """Every value under `key` in nested dicts and lists."""
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k == key:
+                out.append(v)
+            out += _find(v, key)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            out += _find(v, key)
+    return out
+
+
+def optimizer_layout(path: str, common: dict, objects: list) -> str:
+    """The layout of a torch_dist checkpoint's optimizer state: 'non-distributed' or one of the
+    distributed optimizer's model-space layouts (MODEL_SPACE), which are read; any other is a
+    one-line MegatronError naming it."""
+    meta = common.get("content_metadata") if isinstance(common.get("content_metadata"), dict) else {}
+    kinds = [meta.get("distrib_optim_sharding_type")] + _find(common.get("optimizer"), "param_state_sharding_type")
+    kinds = sorted({str(k) for k in kinds if k})
+    if not kinds and any(o.startswith("optimizer.distributed.") for o in objects):
+        kinds = ["dp_reshardable"]
+    other = [k for k in kinds if k not in MODEL_SPACE]
+    if other:
+        raise MegatronError(f"{path}: its optimizer state is Megatron's distributed optimizer in the '{other[0]}' "
+                            "layout (flat buffers per data-parallel rank), which is not read: load with --no-load-optim "
+                            "(or --finetune), or save it from Megatron with --dist-ckpt-optim-fully-reshardable")
+    return kinds[0] if kinds else "non-distributed"
+
+
+def optimizer_hyper(optimizer) -> dict | None:
+    """The run's Adam settings as specc's OptimizerConfig names them, from the param_groups in
+    the common state (the decayed group's, else the first): what an export writes back."""
+    groups = [g for gs in _find(optimizer, "param_groups") if isinstance(gs, list) for g in gs if isinstance(g, dict)]
+    groups.sort(key=lambda g: -float(g.get("wd_mult", 1.0) or 0.0))
+    if not groups or not isinstance(groups[0].get("betas"), (tuple, list)):
+        return None
+    g = groups[0]
+    mult = float(g.get("wd_mult", 1.0) or 1.0)
+    return {"lr": float(g.get("max_lr") if g.get("max_lr") is not None else g["lr"]),
+            "min_lr": float(g.get("min_lr") or 0.0), "weight_decay": float(g.get("weight_decay", 0.0)) / mult,
+            "adam_beta1": float(g["betas"][0]), "adam_beta2": float(g["betas"][1]), "adam_eps": float(g.get("eps", 1e-8)),
+            "lr_now": float(g.get("lr", 0.0)), "decoupled_lr": None}
+
+
+def optimizer_step(path: str, optimizer) -> int:
+    """Adam's step count in the common state: the non-distributed optimizers' common_step, or
+    the distributed optimizer's param_groups' step; every one found the same."""
+    steps = _find(optimizer, "common_step")
+    if not steps:
+        steps = [s for groups in _find(optimizer, "param_groups") for s in _find(groups, "step")]
+    values = {int(s.item()) if isinstance(s, torch.Tensor) else int(s) for s in steps
+              if isinstance(s, (int, float, torch.Tensor)) and not isinstance(s, bool)}
+    if len(values) != 1:
+        raise MegatronError(f"{path}: its optimizer state has " + ("no step count (common_step)" if not values else
+                            f"differing step counts {sorted(values)}"))
+    return values.pop()
 
 
 def import_megatron(load_dir: str, spec_path: str, out: str, overrides: dict | None = None,
-                    iteration: int | None = None) -> dict:
+                    iteration: int | None = None, optimizer_state: bool = True, resume: bool = True) -> dict:
     """A Megatron checkpoint (its save directory's latest, `iteration`, or one iter_N/ folder)
-    into a new specc checkpoint OUT at step N. Weights only: its optimizer state, if any, is not
-    converted (the summary says whether there was some)."""
+    into a new specc checkpoint OUT at step N: its weights; with `resume` (where its args say how
+    many samples were consumed) the data position and the schedule's iteration; with
+    `optimizer_state` (and `resume`) its optimizer state where it has some (read_weights), the
+    fp32 weights standing for the master weights where Megatron trained in fp32. The summary says
+    what came over."""
     fresh_output(out)
-    read = read_weights(load_dir, spec_path, overrides, iteration)
+    read = read_weights(load_dir, spec_path, overrides, iteration, optimizer_state=optimizer_state and resume)
     step = read["iteration"] or 0
     identity = read["identity"]
+    data = {"consumed_samples": read["consumed_samples"]} if resume and read["consumed_samples"] is not None else None
+    optimizer = None
+    if read["optimizer_state"] is not None and data is not None:
+        states = dict(read["optimizer_state"]["states"])
+        states.setdefault("master", {n: t.float() for n, t in read["tensors"].items()})
+        optimizer = {"step": read["optimizer_state"]["step"], **states}
     path = save_tensors(out, step, read["tensors"], spec_sha256=identity["sha256"], spec_name=identity["name"],
+                        optimizer=optimizer, data_state=data,
+                        scheduler_state={"iteration": step} if data is not None else None,
                         config={"megatron_import": {"from": os.path.abspath(read["path"]), "format": read["format"],
                                                     "iteration": read["iteration"], "spec": spec_path,
-                                                    "overrides": dict(overrides or {})}})
+                                                    "overrides": dict(overrides or {})},
+                                # Megatron's Adam settings (its param_groups): what an export of it writes back
+                                **({"optimizer": read["optimizer_state"]["hyper"]}
+                                   if optimizer and read["optimizer_state"]["hyper"] else {})})
     return {"path": path, "step": step, "format": read["format"], "optimizer": read["optimizer"],
+            "optimizer_state": sorted(k for k in (optimizer or {}) if k != "step") or None,
+            "optimizer_step": optimizer["step"] if optimizer else None, "data": data,
             "tensors": len(read["tensors"]), "parameters": sum(t.numel() for t in read["tensors"].values()),
             "spec": identity["name"]}
 
@@ -230,10 +354,15 @@ def megatron_tensors(full: dict, spec_path: str, spec, params: dict) -> tuple[di
 
 
 def megatron_export_tensors(ckpt: str, spec_path: str, overrides: dict | None = None, step: int | None = None,
-                            allow_spec_change: bool = False) -> dict:
+                            allow_spec_change: bool = False, optimizer: dict | None = None) -> dict:
     """What an export writes, read from a specc checkpoint: {"tensors" (Megatron's names),
-    "modules" (with an _extra_state), "step", "spec"}. Under torch.distributed every rank calls it
-    (the checkpoint's DCP read is collective), and every rank gets the full tensors."""
+    "modules" (with an _extra_state), "step", "spec", "common" (Megatron's common state: the
+    optimizer's step and param_groups), "optimizer" (what of it was written, or why not)}.
+    optimizer: the run's OptimizerConfig as a dict (lr, min_lr, weight_decay, adam_beta1/2,
+    adam_eps, decoupled_lr) and "lr_now" (the schedule's lr at the step), to write the
+    checkpoint's Adam state as Megatron's non-distributed optimizer does (optimizer_common); None:
+    weights only. Under torch.distributed every rank calls it (the checkpoint's DCP read is
+    collective), and every rank gets the full tensors."""
     spec, identity, params = model_params(spec_path, overrides)
     bind(mapping_of(spec_path, spec)[0], params, spec.name, Loc(spec_path))  # a spec without one: said first
     path = resolve(ckpt, step)
@@ -241,22 +370,83 @@ def megatron_export_tensors(ckpt: str, spec_path: str, overrides: dict | None = 
     check_spec(path, info["spec"], identity, allow_spec_change)
     check_params(path, info["params"], {n: {"shape": list(m.full_shape)} for n, m in params.items()})
     tensors, modules = megatron_tensors(read_tensors(path, list(params)), spec_path, spec, params)
-    return {"tensors": tensors, "modules": modules, "step": info["step"], "spec": identity["name"]}
+    common, written = {}, "weights only: the checkpoint has no optimizer state"
+    if info.get("optimizer") is not None and optimizer is None:
+        written = "weights only: the checkpoint records no Adam settings (lr, betas, eps, weight decay) to write"
+    elif info.get("optimizer") is not None:
+        state = read_optimizer_tensors(path)
+        written = _optimizer_refusal(state, optimizer, params, info)
+        if written is None:
+            sixteen = any(d["dtype"] in ("bfloat16", "float16") for d in info["params"].values())
+            names = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+            if sixteen:  # Megatron's 16-bit optimizer keeps fp32 masters (fp32_param); its fp32 one none
+                names["master"] = "fp32_param"
+            for ours, theirs in names.items():
+                mapped, _ = megatron_tensors(state[ours], spec_path, spec, params)
+                tensors.update({f"optimizer.state.{theirs}.{k}": v for k, v in mapped.items()})
+            common = optimizer_common(int(state["step"]), optimizer, tensors, sixteen)
+            written = f"Adam state at step {int(state['step'])} ({', '.join(names.values())})"
+    return {"tensors": tensors, "modules": modules, "step": info["step"], "spec": identity["name"], "common": common,
+            "optimizer": written}
+
+
+def _optimizer_refusal(state, optimizer: dict, params: dict, info: dict) -> str | None:
+    """Why a checkpoint's optimizer state is not written for Megatron (None: it is)."""
+    if state is None:
+        return "weights only: the checkpoint has no optimizer state"
+    if not all(n in state.get(k, {}) for k in ("exp_avg", "exp_avg_sq") for n in params):
+        return "weights only: its optimizer state is not Adam's (exp_avg, exp_avg_sq of every parameter)"
+    if any(".experts." in n for n in params):
+        return "weights only: Megatron keeps the experts' Adam state in a separate chained optimizer, not written"
+    if optimizer.get("decoupled_lr") is not None:
+        return "weights only: --decoupled-lr's parameter groups are not written"
+    if any(d["dtype"] in ("bfloat16", "float16") for d in info["params"].values()) and "master" not in state:
+        return "weights only: 16-bit weights without fp32 master weights"
+    return None
+
+
+# the content metadata Megatron's training loop saves with a checkpoint of its non-distributed optimizer
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def optimizer_common(step: int, optimizer: dict, tensors: dict, sixteen_bit: bool) -> dict:
+    """The common state of Megatron's non-distributed Adam (FP32Optimizer, or under
+    Float16OptimizerWithFloat16Params one level down): the step as common_step and the
+    param_groups its load pairs with its own by (wd_mult, lr_mult, max_lr, min_lr, ...): a group
+    of matrices (wd_mult 1) and one of biases and vectors (wd_mult 0), as get_megatron_optimizer
+    makes them; torch's AdamW takes lr, betas, eps and weight_decay from them."""
+    mults = sorted({0.0 if (t.dim() == 1 or k.endswith(".bias")) else 1.0
+                    for k, t in tensors.items() if not k.startswith("optimizer.")}, reverse=True)
+    # a stacked layer weight is per layer here (decoder.layers.N.X): its own dims decide
+    groups = [{"is_expert_parallel": False, "default_config": True, "wd_mult": m, "lr_mult": 1.0,
+               "is_decoupled_lr": False, "max_lr": float(optimizer["lr"]), "min_lr": float(optimizer["min_lr"]),
+               "lr": float(optimizer.get("lr_now", optimizer["lr"])),
+               "betas": (float(optimizer["adam_beta1"]), float(optimizer["adam_beta2"])),
+               "eps": float(optimizer["adam_eps"]), "weight_decay": float(optimizer["weight_decay"]) * m,
+               "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+               "fused": None, "decoupled_weight_decay": True} for m in mults]
+    inner = {"state": {"common_step": torch.tensor(float(step))}, "param_groups": groups}
+    return {"optimizer": {"optimizer": inner} if sixteen_bit else inner, "content_metadata": dict(CONTENT_METADATA)}
 
 
 def export_megatron(ckpt: str, spec_path: str, out: str, overrides: dict | None = None, step: int | None = None,
                     allow_spec_change: bool = False) -> dict:
     """A specc checkpoint (any layout saved it) as a new Megatron Core torch_dist save directory
-    OUT: iter_N/ (N its step) and latest_checkpointed_iteration.txt; weights only."""
+    OUT: iter_N/ (N its step) and latest_checkpointed_iteration.txt; its weights, and its Adam
+    state as Megatron's non-distributed optimizer saves it where the checkpoint has one (with the
+    settings of the run that saved it, in its config; the summary's "optimizer" says what)."""
     fresh_output(out)
-    got = megatron_export_tensors(ckpt, spec_path, overrides, step, allow_spec_change)
+    config = read_info(resolve(ckpt, step)).get("config") or {}
+    optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else None
+    got = megatron_export_tensors(ckpt, spec_path, overrides, step, allow_spec_change, optimizer=optimizer)
     tensors = got["tensors"]
     created = not os.path.lexists(out)
     try:
-        written = write_dist(out, got["step"], tensors, got["modules"])
+        written = write_dist(out, got["step"], tensors, got["modules"], got["common"])
     except BaseException:
         if created:  # nothing half-written is left: the folder goes too
             shutil.rmtree(out, ignore_errors=True)
         raise
-    return {"path": written, "step": got["step"], "tensors": len(tensors),
-            "parameters": sum(t.numel() for t in tensors.values()), "spec": got["spec"]}
+    weights = [t for k, t in tensors.items() if not k.startswith("optimizer.")]
+    return {"path": written, "step": got["step"], "tensors": len(weights),
+            "parameters": sum(t.numel() for t in weights), "spec": got["spec"], "optimizer": got["optimizer"]}

@@ -21,6 +21,7 @@ other global becomes an inert `Unpickled` record that runs no code.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import pickle
@@ -32,7 +33,7 @@ import warnings
 import torch
 import torch._utils as torch_utils
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -243,7 +244,47 @@ def read_dist(path: str, wanted: dict) -> dict:
     return {name: (state[key][i] if i is not None else state[key]) for name, (key, i, _s, _d) in wanted.items()}
 
 
-def write_dist(save_dir: str, iteration: int, tensors: dict, extra_state: list) -> str:
+class _ObjectPlanner(DefaultLoadPlanner):
+    """DCP's load planner, its byte objects unpickled with the allow-list (DCP's own torch.loads
+    them with weights_only=False) and kept here (dcp.load does not hand non-tensors back)."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False)
+        self.objects = {}
+
+    def load_bytes(self, read_item, value) -> None:
+        value.seek(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.objects[read_item.dest_index.fqn] = torch.load(value, map_location="cpu", pickle_module=_SafePickle,
+                                                                weights_only=False)
+
+
+def read_common(path: str) -> dict:
+    """The common (not sharded) state of a torch_dist checkpoint: the training loop's args,
+    iteration, the optimizer's param_groups and step, the content metadata; {} where there is
+    none. Newer versions keep it in the DCP object common_state/shard_0_1, older in common.pt."""
+    if os.path.isfile(os.path.join(path, "common.pt")):
+        common = safe_torch_load(os.path.join(path, "common.pt"))
+        return common if isinstance(common, dict) else {}
+    try:
+        if COMMON_KEY not in _SafeReader(path).read_metadata().state_dict_metadata:
+            return {}
+        planner = _ObjectPlanner()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load({COMMON_KEY: io.BytesIO()}, storage_reader=_SafeReader(path), planner=planner, no_dist=True)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise MegatronError(f"{path}: reading its common state failed: {str(e).strip().splitlines()[-1][:200]}"
+                            ) from None
+    common = planner.objects.get(COMMON_KEY)
+    common = common[0] if isinstance(common, list) and len(common) == 1 else common
+    return common if isinstance(common, dict) else {}
+
+
+def write_dist(save_dir: str, iteration: int, tensors: dict, extra_state: list, common: dict | None = None) -> str:
     """A torch_dist checkpoint of full tensors by per-layer name in the new or empty SAVE_DIR:
     layer weights stacked as Megatron's homogeneous layers store them, `extra_state` (module
     names) an empty _extra_state object each, the common state Megatron's load reads, the
@@ -276,7 +317,7 @@ def write_dist(save_dir: str, iteration: int, tensors: dict, extra_state: list) 
                 state[f"{m['pre']}.{m['rest']}._extra_state/shard_{i}_{count}"] = _pickled(None)
         else:
             state[f"{module}._extra_state/shard_0_1"] = _pickled(None)
-    state[COMMON_KEY] = _pickled({"checkpoint_version": 3.0, "iteration": iteration})
+    state[COMMON_KEY] = _pickled({"checkpoint_version": 3.0, "iteration": iteration, **(common or {})})
 
     save_dir = os.path.abspath(save_dir)
     os.makedirs(save_dir, exist_ok=True)

@@ -1,11 +1,14 @@
-"""`specc train --load MEGATRON_DIR --finetune`: a Megatron Core save directory (or one iter_N/
-folder, torch_dist or legacy) as a run's starting weights, checked with the run's other rules
-(specc_torch/train_checks.py check) and converted before the model loads; and `specc train --save DIR
---ckpt-format torch_dist`: each save also as Megatron's torch_dist iter_N/ beside specc's own
-step_N/ in DIR (docs/training.md#checkpoints)."""
+"""`specc train --load MEGATRON_DIR`: a Megatron Core save directory (or one iter_N/ folder) as
+Megatron resumes it: torch_dist's weights, iteration, data position and optimizer state
+(--no-load-optim: not the optimizer state; --finetune, and the legacy format: the weights only),
+checked with the run's other rules (specc_torch/train_checks.py check) and converted before the
+model loads; and `specc train --save DIR --ckpt-format torch_dist`: each save also as Megatron's
+torch_dist iter_N/ (with the Adam state) beside specc's own step_N/ in DIR
+(docs/training.md#checkpoints)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -16,8 +19,17 @@ from runtime.checkpoint import INFO, LATEST, CheckpointError, complete_steps
 from specc.errors import SpecError
 
 from ..hf import HFError
-from .convert import import_megatron, megatron_export_tensors
-from .files import MegatronError, checkpoint_format, is_iteration_dir, is_megatron_dir, iteration_dir, write_dist
+from .convert import import_megatron, megatron_export_tensors, optimizer_layout
+from .files import (
+    MegatronError,
+    checkpoint_format,
+    dist_tensors,
+    is_iteration_dir,
+    is_megatron_dir,
+    iteration_dir,
+    read_common,
+    write_dist,
+)
 
 CKPT_FORMATS = ("torch_dist",)  # what --ckpt-format writes beside specc's own checkpoints
 
@@ -43,19 +55,24 @@ def ckpt_format_rules(cfg) -> list:
 
 
 def megatron_save(cfg, step: int, rank: int, world: int) -> str:
-    """After specc saved step N in --save: its weights as Megatron's torch_dist iter_N/ and tracker
-    in the same directory (weights only; under --keep-last the iter_M/ of the steps specc pruned
-    go too). Every rank reads the full weights (the checkpoint's read is collective), rank 0
-    writes; every rank gets the first error, or the folder written."""
+    """After specc saved step N in --save: its weights and Adam state as Megatron's torch_dist
+    iter_N/ and tracker in the same directory (the state as Megatron's non-distributed optimizer
+    saves it, param_groups from this run's --lr, --min-lr, --weight-decay, --adam-*; weights only
+    where it cannot be written: convert.py _optimizer_refusal; under --keep-last the iter_M/ of
+    the steps specc pruned go too). Every rank reads the full tensors (the checkpoint's read is
+    collective), rank 0 writes; every rank gets the first error, or "FOLDER (what it holds)"."""
     save = cfg.checkpoint.save
     error, written = None, None
     overrides = dict(cfg.overrides)
     if cfg.data.padded_vocab_size is not None and "vocab_size" not in overrides:
         overrides["vocab_size"] = cfg.data.padded_vocab_size
     try:
-        got = megatron_export_tensors(save, cfg.spec, overrides, step=step)
+        optimizer = dataclasses.asdict(cfg.optimizer) if cfg.optimizer.optimizer == "adam" else None
+        got = megatron_export_tensors(save, cfg.spec, overrides, step=step, optimizer=optimizer)
         if rank == 0:
-            written = write_dist(save, got["step"], got["tensors"], got["modules"])
+            written = write_dist(save, got["step"], got["tensors"], got["modules"], got["common"])
+            note = got["optimizer"] if optimizer is not None else f"weights only: --optimizer {cfg.optimizer.optimizer}"
+            written += f" ({note})"
             if cfg.checkpoint.keep_last is not None:
                 kept = set(complete_steps(save))
                 for name in os.listdir(save):
@@ -75,17 +92,37 @@ def megatron_save(cfg, step: int, rank: int, world: int) -> str:
 
 
 def megatron_load_rules(cfg) -> list:
-    """--load of a Megatron Core save directory (or iter_N/): its weights load, converted through
-    the spec's megatron.checkpoint names (specc_torch/megatron_ckpt); its optimizer state,
-    iteration and data position do not, so it takes --finetune, as a weights-only start."""
-    load = cfg.checkpoint.load
+    """--load of a Megatron Core save directory (or iter_N/), as Megatron loads it: its weights,
+    iteration, data position and optimizer state (converted through the spec's
+    megatron.checkpoint names, specc_torch/megatron_ckpt); --no-load-optim leaves the optimizer
+    state, --finetune all but the weights. Without either it needs optimizer state that is read
+    (torch_dist: the non-distributed optimizer's, or the distributed one's model-space layouts)
+    and its args' consumed_train_samples."""
+    load, ck = cfg.checkpoint.load, cfg.checkpoint
     try:
-        fmt = checkpoint_format(iteration_dir(load)[0])
+        path = iteration_dir(load)[0]
+        fmt = checkpoint_format(path)
+        if ck.finetune:
+            return []
+        if fmt == "torch":
+            return [f"--load {load}: from Megatron's legacy torch format only the weights are read (not its optimizer "
+                    "state, iteration or data position): add --finetune (or save it with --ckpt-format torch_dist)"]
+        tensors = dist_tensors(path)
+        objects = tensors.pop(None)
+        common = read_common(path)
+        has_optimizer = (any(k.startswith("optimizer.") for k in tensors) or common.get("optimizer") is not None
+                         or any(o.startswith("optimizer.") for o in objects))
+        consumed = getattr(common.get("args"), "consumed_train_samples", None)
+        if has_optimizer and not ck.no_load_optim:
+            optimizer_layout(path, common, objects)
     except MegatronError as e:
         return [f"--load {load}: {e}"]
-    if not cfg.checkpoint.finetune:
-        return [f"--load {load}: a Megatron Core checkpoint ({fmt}) loads its weights only, not its optimizer state, "
-                "iteration or data position: add --finetune (or convert it with specc megatron import)"]
+    if not has_optimizer and not ck.no_load_optim:
+        return [f"--load {load}: a Megatron Core checkpoint without optimizer state: add --no-load-optim (its "
+                "weights, iteration and data position, a fresh optimizer) or --finetune (its weights only)"]
+    if not isinstance(consumed, int):
+        return [f"--load {load}: its args hold no consumed_train_samples (the data position to resume from): add "
+                "--finetune to start from its weights at iteration 0"]
     return []
 
 
@@ -101,7 +138,9 @@ def megatron_import(cfg, local_rank: int, world: int) -> str:
             overrides["vocab_size"] = cfg.data.padded_vocab_size
         try:
             shutil.rmtree(converted, ignore_errors=True)  # derived: a previous run's conversion
-            import_megatron(cfg.checkpoint.load, cfg.spec, converted, overrides)
+            ck = cfg.checkpoint
+            import_megatron(ck.load, cfg.spec, converted, overrides, optimizer_state=not ck.no_load_optim,
+                            resume=not ck.finetune)
         except (MegatronError, CheckpointError, HFError, SpecError) as e:
             error = f"--load {cfg.checkpoint.load}: {e}"
     if world > 1:

@@ -24,7 +24,7 @@ def test_import_export_and_one_line_errors(specc, tmp_path):
     code, stdout, stderr = specc("megatron", "export", ckpt, "--spec", SPEC, "--out", out, *SIZES)
     assert (code, stderr) == (0, ""), stderr
     assert stdout == (f"specc megatron export: {ckpt} (step 7, spec llama_tiny) -> {out}/iter_0000007 (torch_dist, "
-                      "15 tensors, 8,016 parameters; weights only)\n")
+                      "15 tensors, 8,016 parameters; weights only: the checkpoint has no optimizer state)\n")
     assert sorted(os.listdir(out)) == ["iter_0000007", "latest_checkpointed_iteration.txt"]
 
     def error(*argv) -> str:
@@ -54,7 +54,7 @@ def test_import_export_and_one_line_errors(specc, tmp_path):
 def test_train_starts_from_a_megatron_checkpoint_with_finetune(specc, tmp_path):
     """`specc train --load MEGATRON_DIR --finetune` trains from its weights: with a learning rate
     too small to move an fp32 weight (1e-30 against ulps of 1e-8), the checkpoint the run saves
-    holds Megatron's weights bit for bit. Without --finetune it is one line (weights only)."""
+    holds Megatron's weights bit for bit. Without --finetune the legacy format is one line (weights only)."""
     import torch
 
     from runtime.checkpoint import read_tensors
@@ -65,8 +65,8 @@ def test_train_starts_from_a_megatron_checkpoint_with_finetune(specc, tmp_path):
            "--load", os.path.join(FIXTURE, "torch"), "--save", tmp_path / "save", "--run-dir", tmp_path / "run"]
     code, stdout, stderr = specc(*run)
     assert code == 2 and stderr.strip().endswith(
-        "a Megatron Core checkpoint (torch) loads its weights only, not its optimizer state, iteration or data "
-        "position: add --finetune (or convert it with specc megatron import)"), stderr
+        "from Megatron's legacy torch format only the weights are read (not its optimizer state, iteration or data "
+        "position): add --finetune (or save it with --ckpt-format torch_dist)"), stderr
     code, stdout, stderr = specc(*run, "--finetune")
     assert code == 0, stderr
     assert f"loaded model weights from {tmp_path}/run/megatron-import/step_0000007 (--finetune)" in stdout + stderr
@@ -129,3 +129,24 @@ def test_train_saves_megatrons_torch_dist_beside_its_own(specc, tmp_path):
     assert error("--ckpt-format", "torch_dist") == (
         "error: --ckpt-format torch_dist: says what --save writes, and there is no --save DIR")
     assert not (tmp_path / "other").exists()
+
+
+def test_train_resumes_a_megatron_checkpoint_with_its_optimizer_state(specc, tmp_path):
+    """`specc train --load MEGATRON_DIR` resumes as Megatron does: iteration 3, 6 samples consumed and
+    Megatron's Adam state (llama_optim: Megatron trained 3 steps); --no-load-optim takes all but the
+    optimizer state. The numbers (specc's next step equals Megatron's) are test_megatron_ckpt.py's."""
+    from runtime.checkpoint import read_info
+
+    load = os.path.join(ROOT, "tests", "fixtures", "megatron", "llama_optim", "torch_dist")
+    sizes = [arg for key, value in {**CONFIG, "vocab_size": 64}.items() for arg in ("--set", f"{key}={value}")]
+    run = ["train", SPEC, *sizes, "--mock-data", "--train-iters", "4", "--micro-batch-size", "2",
+           "--global-batch-size", "2", "--eval-iters", "0", "--no-progress", "--lr", "0.01", "--load", load]
+    code, stdout, stderr = specc(*run, "--save", tmp_path / "save", "--run-dir", tmp_path / "run")
+    assert code == 0, stderr
+    assert f"loaded checkpoint {tmp_path}/run/megatron-import/step_0000003 at iteration 3" in stdout + stderr
+    info = read_info(str(tmp_path / "save" / "step_0000004"))
+    assert info["step"] == 4 and "exp_avg/embedding.weight" in info["optimizer"]["sharded"]
+    code, stdout, stderr = specc(*run, "--no-load-optim", "--run-dir", tmp_path / "run2")
+    assert code == 0, stderr
+    assert (f"loaded checkpoint {tmp_path}/run2/megatron-import/step_0000003 at iteration 3 without its optimizer "
+            "state (--no-load-optim): a fresh optimizer") in stdout + stderr

@@ -276,6 +276,7 @@ def _save_and_convert(rank, world, save_dir):
     from types import SimpleNamespace
 
     from runtime.checkpoint import save_checkpoint
+    from runtime.train.config import OptimizerConfig
     from specc_torch.megatron_ckpt.train import megatron_save
 
     pg = runtime.ProcessGroups.initialize(tp=world)
@@ -283,7 +284,7 @@ def _save_and_convert(rank, world, save_dir):
         model = specc_torch.build_model(SPEC, pg, seed=3, sp=True, overrides=SIZES, micro_batch_size=1)
         save_checkpoint(save_dir, 5, model, pg)
         cfg = SimpleNamespace(spec=SPEC, overrides=SIZES, data=SimpleNamespace(padded_vocab_size=None),
-                              checkpoint=SimpleNamespace(save=save_dir, keep_last=None))
+                              checkpoint=SimpleNamespace(save=save_dir, keep_last=None), optimizer=OptimizerConfig())
         return megatron_save(cfg, 5, rank, world)
     finally:
         pg.destroy()
@@ -296,7 +297,142 @@ def test_a_run_at_tp2_saves_megatrons_checkpoint_beside_its_own(gloo, tmp_path):
     from runtime.checkpoint import read_tensors
 
     save = str(tmp_path / "save")
-    assert gloo.run(2, _save_and_convert, save) == [os.path.join(save, "iter_0000005")] * 2
+    written = os.path.join(save, "iter_0000005")  # (a checkpoint without optimizer state: the weights)
+    assert gloo.run(2, _save_and_convert, save) == [f"{written} (weights only: the checkpoint has no optimizer state)"] * 2
     ours, megatron = read_tensors(save), read_weights(save, SPEC, SIZES)
     assert megatron["iteration"] == 5 and ours.keys() == megatron["tensors"].keys()
     assert all(torch.equal(ours[n], megatron["tensors"][n]) for n in ours)
+
+
+# -- optimizer state ---------------------------------------------------------------------------------
+# llama_optim: Megatron's own DDP and Adam (fp32, not distributed; lr 1e-2, betas (0.9, 0.95), weight
+# decay 0.1 on matrices) trained 3 steps at TP=2 and saved model + optimizer (torch_dist/iter_0000003);
+# then it took step 4 on batch.pt's batch and saved the model (after/iter_0000004).
+OPTIM_FIXTURE = os.path.join(FIXTURES, "llama_optim")
+OPTIM_SIZES = {**SIZES, "vocab_size": 64}
+# One Adam step from the same weights and moments: the gradients differ by fp32 rounding (~1e-6
+# relative), which moves the update lr * m/sqrt(v) by ~lr * 1e-6; the weights (|w| < 2) round to
+# 2.4e-7. 1e-6 is above both; a moment mapped wrong (or a fresh optimizer) moves the weights by ~lr.
+STEP_TOL = 1e-6
+
+
+def _specc_step(rank, world, ckpt, batch, with_optimizer, out_dir):
+    """specc's own step 4 from the imported checkpoint at TP=world (SP): its DDP, finalize and Adam
+    with Megatron's settings; saves the model (step 4) in out_dir."""
+    from runtime.checkpoint import adam_state, restore_adam, save_checkpoint
+    from runtime.optim import Adam
+
+    pg = runtime.ProcessGroups.initialize(tp=world) if world > 1 else runtime.ProcessGroups.single()
+    try:
+        model = specc_torch.build_model(SPEC, pg, seed=3, sp=world > 1, overrides=OPTIM_SIZES, micro_batch_size=1)
+        ddp = runtime.DistributedDataParallel(model, pg)
+        o = batch["optim"]
+        opt = Adam(ddp, pg, weight_decay=o["weight_decay"], beta1=o["adam_beta1"], beta2=o["adam_beta2"],
+                   eps=o["adam_eps"], clip_grad=0.0)
+        if with_optimizer:
+            out = load_checkpoint(ckpt, model, pg, optimizer_state=adam_state(opt, model))
+            restore_adam(opt, out["optimizer_state"])
+        else:
+            load_checkpoint(ckpt, model, pg)
+        step = opt.step_count
+        ddp.zero_grad_buffer()
+        model.train()
+        loss = model(batch["tokens"], batch["labels"]).mean()
+        loss.backward()
+        runtime.finalize_model_grads(model, pg, ddp)
+        opt.step(o["lr"])
+        save_checkpoint(out_dir, 4, model, pg)
+        return step, loss.item()
+    finally:
+        pg.destroy()
+
+
+def test_megatron_optimizer_state_continues_megatrons_training(gloo, tmp_path):
+    """Megatron's Adam state (exp_avg, exp_avg_sq through the same name and fused-QKV row
+    mapping as the weights, the step count, the data position) comes over: specc's step 4 from it,
+    at TP=1 and at TP=2 with SP, gives Megatron's own step-4 weights; a fresh optimizer does not."""
+    from runtime.checkpoint import read_info, read_tensors
+
+    batch = torch.load(os.path.join(OPTIM_FIXTURE, "batch.pt"))
+    done = import_megatron(os.path.join(OPTIM_FIXTURE, "torch_dist"), SPEC, str(tmp_path / "ckpt"), OPTIM_SIZES)
+    assert (done["step"], done["optimizer_step"], done["data"]) == (3, 3, {"consumed_samples": 6})
+    assert done["optimizer_state"] == ["exp_avg", "exp_avg_sq", "master"]
+    assert read_info(done["path"])["config"]["optimizer"]["adam_beta2"] == 0.95
+    megatron = read_weights(os.path.join(OPTIM_FIXTURE, "after"), SPEC, OPTIM_SIZES)["tensors"]
+
+    def worst(out_dir):
+        ours = read_tensors(out_dir)
+        return max((ours[n] - megatron[n]).abs().max().item() for n in megatron)
+
+    assert _specc_step(0, 1, str(tmp_path / "ckpt"), batch, True, str(tmp_path / "tp1")) == pytest.approx(
+        (3, batch["loss"]), rel=1e-6)
+    assert worst(str(tmp_path / "tp1")) < STEP_TOL
+    for step, loss in gloo.run(2, _specc_step, str(tmp_path / "ckpt"), batch, True, str(tmp_path / "tp2")):
+        assert step == 3 and loss == pytest.approx(batch["loss"], rel=1e-6)
+    assert worst(str(tmp_path / "tp2")) < STEP_TOL
+    _specc_step(0, 1, str(tmp_path / "ckpt"), batch, False, str(tmp_path / "fresh"))
+    assert worst(str(tmp_path / "fresh")) > 1e-3
+
+
+def test_optimizer_export_then_import_is_bit_exact(tmp_path):
+    """The export writes the Adam state as Megatron's non-distributed optimizer saved it: the same
+    stacked optimizer.state.exp_avg(_sq).X tensors bit for bit, and the common state's step and
+    param_groups (which Megatron's load pairs with its own groups) equal to Megatron's."""
+    from specc_torch.megatron_ckpt.files import read_common
+
+    source = os.path.join(OPTIM_FIXTURE, "torch_dist", "iter_0000003")
+    import_megatron(os.path.join(OPTIM_FIXTURE, "torch_dist"), SPEC, str(tmp_path / "ckpt"), OPTIM_SIZES)
+    done = export_megatron(str(tmp_path / "ckpt"), SPEC, str(tmp_path / "megatron"), OPTIM_SIZES)
+    assert done["optimizer"] == "Adam state at step 3 (exp_avg, exp_avg_sq)"
+    theirs, ours = dist_tensors(source), dist_tensors(done["path"])
+    assert set(theirs.pop(None)) == set(ours.pop(None))
+    assert {v[0] for v in theirs.values()} == {v[0] for v in ours.values()}
+    assert sum(k.startswith("optimizer.state.exp_avg_sq.") for k in ours) == 15
+    a, b = read_dist(source, theirs), read_dist(done["path"], ours)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    mine, megatron = read_common(done["path"]), read_common(source)
+    assert mine["optimizer"]["param_groups"] == megatron["optimizer"]["param_groups"]
+    assert torch.equal(mine["optimizer"]["state"]["common_step"], megatron["optimizer"]["state"]["common_step"])
+    assert mine["content_metadata"] == megatron["content_metadata"]
+
+
+def test_optimizer_layouts_not_read_are_refused_in_one_line(tmp_path):
+    """The distributed optimizer's per-DP-rank layouts (dp_reshardable, Megatron 0.19's default)
+    and a legacy checkpoint's optimizer state are refused naming the way out; a checkpoint
+    without optimizer state needs --no-load-optim or --finetune, as in Megatron."""
+    from types import SimpleNamespace
+
+    from specc_torch.hf.convert import model_params
+    from specc_torch.megatron_ckpt.convert import megatron_tensors
+    from specc_torch.megatron_ckpt.files import write_dist
+    from specc_torch.megatron_ckpt.train import megatron_load_rules
+
+    weights = read_weights(os.path.join(OPTIM_FIXTURE, "torch_dist"), SPEC, OPTIM_SIZES)["tensors"]
+    spec, _identity, params = model_params(SPEC, OPTIM_SIZES)
+    tensors, modules = megatron_tensors(weights, SPEC, spec, params)
+    written = write_dist(str(tmp_path / "dp"), 3, tensors, modules, {
+        "content_metadata": {"distrib_optim_sharding_type": "dp_reshardable"},
+        "optimizer": {"param_state_sharding_type": "dp_reshardable"}})
+    line = _error(str(tmp_path / "dp"), SPEC, OPTIM_SIZES, optimizer_state=True)
+    assert line == (f"{written}: its optimizer state is Megatron's distributed optimizer in the 'dp_reshardable' "
+                    "layout (flat buffers per data-parallel rank), which is not read: load with --no-load-optim (or "
+                    "--finetune), or save it from Megatron with --dist-ckpt-optim-fully-reshardable")
+
+    def rules(load, finetune=False, no_load_optim=False):
+        return megatron_load_rules(SimpleNamespace(checkpoint=SimpleNamespace(
+            load=load, finetune=finetune, no_load_optim=no_load_optim)))
+
+    assert rules(str(tmp_path / "dp")) == [f"--load {tmp_path / 'dp'}: {line}"]
+    assert rules(str(tmp_path / "dp"), no_load_optim=True) == [
+        f"--load {tmp_path / 'dp'}: its args hold no consumed_train_samples (the data position to resume from): add "
+        "--finetune to start from its weights at iteration 0"]
+    assert rules(str(tmp_path / "dp"), finetune=True) == []
+    assert rules(os.path.join(FIXTURE, "torch_dist")) == [
+        f"--load {os.path.join(FIXTURE, 'torch_dist')}: a Megatron Core checkpoint without optimizer state: add "
+        "--no-load-optim (its weights, iteration and data position, a fresh optimizer) or --finetune (its weights "
+        "only)"]
+    assert rules(os.path.join(OPTIM_FIXTURE, "torch_dist"), no_load_optim=True) == []
+    assert rules(os.path.join(FIXTURE, "torch")) == [
+        f"--load {os.path.join(FIXTURE, 'torch')}: from Megatron's legacy torch format only the weights are read (not "
+        "its optimizer state, iteration or data position): add --finetune (or save it with --ckpt-format torch_dist)"]
+    assert rules(os.path.join(OPTIM_FIXTURE, "torch_dist")) == []
