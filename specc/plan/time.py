@@ -20,7 +20,7 @@ and the memory each GPU needs. docs/planning.md states the model; in short:
   op's collectives beside its own GEMMs where its `comm_hidden` says so (a column-parallel linear's backward gather, reduce-scatter or all-reduce
   beside its grad-input and weight-gradient GEMMs; the CP ring's steps beside the block
   computations), the data-parallel gradient buckets beside the last micro-batch's backward (all
-  but the last bucket); nothing else;
+  but the last bucket; at PP 1 only: a pipelined step reduces them after the schedule); nothing else;
 * the pipeline runs m = global batch / (micro-batch · DP) micro-batches: m times the slowest
   rank's micro-batch, plus the bubble (P - 1)/V times the mean one;
 * then the exposed DP reduction, the distributed optimizer's parameter all-gather, the TP/CP
@@ -190,7 +190,10 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
         full = coll(grad_mode, dense * 4, "dp") + coll(grad_mode, experts * 4, "edp")
         last_axis, last_elements = ("edp", experts) if experts and dp // ep > 1 else ("dp", dense)
         last = coll(grad_mode, min(BUCKET_ELEMENTS, last_elements) * 4, last_axis)
-        if job.overlap_grad_reduce:  # each bucket starts when its gradients are in: the last one is exposed
+        # each bucket starts when its gradients are in, the last one exposed; but at PP > 1 the
+        # runtime runs the whole schedule under ddp.no_sync() (runtime/train/training.py) and
+        # reduces every bucket in finalize_model_grads, after it: nothing hidden
+        if job.overlap_grad_reduce and not pipe:
             window = ranks[r].backward  # the last micro-batch's backward on this rank
             dp_exposed = last + max(0.0, full - last - machine.comm_overlap * window) if full > 0 else 0.0
         else:  # every bucket after backward

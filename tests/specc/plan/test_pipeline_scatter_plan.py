@@ -21,12 +21,12 @@ from specc.plan.time import Job, collective_time, group_link, predict
 GPT_TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "specs", "gpt-tiny.yaml")
 A100 = load_machine("dgx-a100-80gb")
 EFF = A100.link_efficiency
+# activations of 2 MiB, so that bandwidth, not latency, sets the sends' time
+SIZES = (("num_layers", 4), ("hidden_size", 1024), ("num_attention_heads", 8), ("seq_length", 1024))
 
 
 def _plan(**settings):
-    # activations of 2 MiB, so that bandwidth, not latency, sets the sends' time
-    sizes = (("num_layers", 4), ("hidden_size", 1024), ("num_attention_heads", 8), ("seq_length", 1024))
-    spec, graph = load_and_compile(GPT_TINY, Settings(pp=2, **settings), [(k, v, Loc("--set")) for k, v in sizes],
+    spec, graph = load_and_compile(GPT_TINY, Settings(pp=2, **settings), [(k, v, Loc("--set")) for k, v in SIZES],
                                    plan_only=True)
     return build_plan(graph), spec.inputs[0].shape[1]
 
@@ -73,3 +73,17 @@ def test_scattered_send_is_a_slice_over_pp_and_an_all_gather_over_tp(gpus):
     assert got["tp_comm"] - before["tp_comm"] == pytest.approx(m * gather, rel=1e-9)
     # across nodes the slice over one NIC beats the whole over it, even with the NVLink gather
     assert (got["pp_comm"] + got["tp_comm"] < before["pp_comm"] + before["tp_comm"]) == (gpus == 16)
+
+
+def test_data_parallel_reduction_is_hidden_at_pp1_only():
+    """The runtime overlaps the DP buckets with the last micro-batch's backward at PP 1; a pipelined
+    step runs its schedule under ddp.no_sync() and reduces every bucket after it
+    (runtime/train/training.py), so at PP 2 overlapping changes nothing."""
+    machine = A100
+    piped, seq = _plan(tp=1)
+    spec, graph = load_and_compile(GPT_TINY, Settings(), [(k, v, Loc("--set")) for k, v in SIZES], plan_only=True)
+    flat = build_plan(graph)
+    for plan, gpus, hidden in ((piped, 4, False), (flat, 2, True)):
+        on, off = (predict(plan, seq, machine, Job(gpus, 4, overlap_grad_reduce=x))["breakdown_s"]["dp_grad_reduce"]
+                   for x in (True, False))
+        assert off > 0 and (on < off) == hidden
