@@ -233,8 +233,9 @@ def read_weights(load_dir: str, spec_path: str, overrides: dict | None = None, i
             "consumed_samples": consumed if isinstance(consumed, int) else None}
 
 
-# Megatron's per-parameter optimizer state names that differ from runtime.optim's
-MEGATRON_STATES = {"fp32_param": "master"}
+# Megatron's per-parameter optimizer state names that differ from runtime.optim's: the fp32 master
+# weights are fp32_param (non-distributed) or param (the distributed optimizer's fully_reshardable)
+MEGATRON_STATES = {"fp32_param": "master", "param": "master"}
 # its distributed optimizer's layouts whose state is per parameter at the model's shapes (as the
 # non-distributed optimizers'); the others keep flat per-data-parallel-rank buffers
 MODEL_SPACE = ("fully_reshardable", "fully_sharded_model_space")

@@ -374,6 +374,22 @@ def test_megatron_optimizer_state_continues_megatrons_training(gloo, tmp_path):
     assert worst(str(tmp_path / "fresh")) > 1e-3
 
 
+def test_the_distributed_optimizers_model_space_layout_is_read(tmp_path):
+    """llama_distopt: the same 3 steps under Megatron's distributed optimizer, saved with
+    --dist-ckpt-optim-fully-reshardable (optimizer.state.param/exp_avg/exp_avg_sq.X at the model's
+    shapes, the step in the param_groups): specc's step 4 from it gives Megatron's step 4 too."""
+    from runtime.checkpoint import read_tensors
+
+    batch = torch.load(os.path.join(OPTIM_FIXTURE, "batch.pt"))
+    done = import_megatron(os.path.join(FIXTURES, "llama_distopt", "torch_dist"), SPEC, str(tmp_path / "ckpt"),
+                           OPTIM_SIZES)
+    assert (done["optimizer_step"], done["optimizer_state"]) == (3, ["exp_avg", "exp_avg_sq", "master"])
+    _specc_step(0, 1, str(tmp_path / "ckpt"), batch, True, str(tmp_path / "out"))
+    ours, megatron = read_tensors(str(tmp_path / "out")), read_weights(os.path.join(OPTIM_FIXTURE, "after"), SPEC,
+                                                                       OPTIM_SIZES)["tensors"]
+    assert max((ours[n] - megatron[n]).abs().max().item() for n in megatron) < STEP_TOL
+
+
 def test_optimizer_export_then_import_is_bit_exact(tmp_path):
     """The export writes the Adam state as Megatron's non-distributed optimizer saved it: the same
     stacked optimizer.state.exp_avg(_sq).X tensors bit for bit, and the common state's step and
@@ -397,9 +413,10 @@ def test_optimizer_export_then_import_is_bit_exact(tmp_path):
 
 
 def test_optimizer_layouts_not_read_are_refused_in_one_line(tmp_path):
-    """The distributed optimizer's per-DP-rank layouts (dp_reshardable, Megatron 0.19's default)
-    and a legacy checkpoint's optimizer state are refused naming the way out; a checkpoint
-    without optimizer state needs --no-load-optim or --finetune, as in Megatron."""
+    """The distributed optimizer's per-DP-rank layouts (dp_reshardable, Megatron 0.19's default:
+    the common state below is what its save writes) and a legacy checkpoint's optimizer state are
+    refused naming the way out; a checkpoint without optimizer state needs --no-load-optim or
+    --finetune, as in Megatron."""
     from types import SimpleNamespace
 
     from specc_torch.hf.convert import model_params
