@@ -398,7 +398,8 @@ def _optimizer_refusal(state, optimizer: dict, params: dict, info: dict) -> str 
     if not all(n in state.get(k, {}) for k in ("exp_avg", "exp_avg_sq") for n in params):
         return "weights only: its optimizer state is not Adam's (exp_avg, exp_avg_sq of every parameter)"
     if any(".experts." in n for n in params):
-        return "weights only: Megatron keeps the experts' Adam state in a separate chained optimizer, not written"
+        return ("weights only: Megatron groups a MoE model's Adam state by its expert-parallel size (a second, "
+                "chained optimizer for the experts at EP > 1), which the checkpoint does not say")
     if optimizer.get("decoupled_lr") is not None:
         return "weights only: --decoupled-lr's parameter groups are not written"
     if any(d["dtype"] in ("bfloat16", "float16") for d in info["params"].values()) and "master" not in state:
