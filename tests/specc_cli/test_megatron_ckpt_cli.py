@@ -150,3 +150,12 @@ def test_train_resumes_a_megatron_checkpoint_with_its_optimizer_state(specc, tmp
     assert code == 0, stderr
     assert (f"loaded checkpoint {tmp_path}/run2/megatron-import/step_0000003 at iteration 3 without its optimizer "
             "state (--no-load-optim): a fresh optimizer") in stdout + stderr
+    # the commands: import converts the optimizer state (and says so), export writes it back
+    code, stdout, stderr = specc("megatron", "import", load, "--spec", SPEC, "--out", tmp_path / "ckpt", *sizes)
+    assert (code, stderr) == (0, ""), stderr
+    assert stdout == (f"specc megatron import: {load} (torch_dist, 15 tensors, 5,968 parameters) -> {tmp_path}/ckpt/"
+                      "step_0000003 (spec llama_tiny, step 3; its optimizer state (exp_avg, exp_avg_sq, master) at step "
+                      "3, 6 samples consumed)\n")
+    code, stdout, stderr = specc("megatron", "export", tmp_path / "ckpt", "--spec", SPEC, "--out", tmp_path / "m", *sizes)
+    assert (code, stderr) == (0, ""), stderr
+    assert stdout.endswith("(torch_dist, 15 tensors, 5,968 parameters; Adam state at step 3 (exp_avg, exp_avg_sq))\n")
