@@ -182,14 +182,23 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
             all_to_all.append((nbytes, _timed(lambda: comm.all_to_all(dst, src, pg.dp), reps)))
         for n, nbytes in OVERLAP_POINTS:
             a, b, t = torch.randn(n, n), torch.randn(n, n), torch.ones(nbytes // 4)
+            sent, inc = torch.ones(nbytes // 8), torch.empty(nbytes // 8)
 
-            def beside():  # the runtime's overlap: an async collective, compute, then its wait()
-                work = comm.all_reduce(t, pg.dp, async_op=True)
-                torch.mm(a, b)
-                work.wait()
+            # DP's and TP's all-reduce; the pipeline's and the CP ring's exchange of sends
+            issues = (lambda: [comm.all_reduce(t, pg.dp, async_op=True)],
+                      lambda: comm.send_recv(sent, nxt, inc, prev, pg.dp))
+            for issue in issues:
+                def beside():  # the runtime's overlap: issue, compute, then wait()
+                    works = issue()
+                    torch.mm(a, b)
+                    for work in works:
+                        work.wait()
 
-            overlap.append((_timed(lambda: torch.mm(a, b), reps), _timed(lambda: comm.all_reduce(t, pg.dp), reps),
-                            _timed(beside, reps)))
+                def alone():
+                    for work in issue():
+                        work.wait()
+
+                overlap.append((_timed(lambda: torch.mm(a, b), reps), _timed(alone, reps), _timed(beside, reps)))
     overhead = []
     for k in OP_CHAINS:
         norms = [LayerNorm(16) for _ in range(k)]
@@ -283,7 +292,7 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
     a2a_latency, a2a_bw = _link(m["all_to_all"], ranks - 1, (ranks - 1) / ranks) if m["all_to_all"] else \
         (latency, link_bw)
     # the share of the shorter of a GEMM and an all-reduce that running them together saves
-    hidden = [min(1.0, max(0.0, (g + c - both) / min(g, c))) for g, c, both in m.get("overlap", [])]
+    hidden = [min(1.0, max(-1.0, (g + c - both) / min(g, c))) for g, c, both in m.get("overlap", [])]
     overlap = statistics.median(hidden) if hidden else None
     # the optimizer step's bytes as the time model counts them for fp32 Adam, over its time
     opt_rate = [n * OPTIMIZER_BYTES_PER_ELEMENT / t for n, t in m.get("optimizer", [])]
@@ -349,8 +358,8 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
                      + "  ".join(f"{n}:{r / 1e9:.1f}GB/s" for (n, _), r in zip(m["optimizer"], opt_rate))
                      + ", over memory_bandwidth")
     if overlap is not None:
-        lines.append(f"  overlap: {overlap:.4f}              # all-reduce beside a GEMM: the share of the shorter hidden, "
-                     "GEMM/all-reduce/together: " + "  ".join(f"{g * 1e3:.2f}/{c * 1e3:.2f}/{b * 1e3:.2f}ms"
+        lines.append(f"  overlap: {overlap:.4f}              # all-reduce, then sends, beside a GEMM: (g + c - together) "
+                     "/ min(g, c), median; g/c/together: " + "  ".join(f"{g * 1e3:.2f}/{c * 1e3:.2f}/{b * 1e3:.2f}ms"
                                                               for g, c, b in m["overlap"]))
     lines += [
         f"  op_overhead: {op_overhead:.4e}       # s per op call each way: chains of k LayerNorm calls "

@@ -13,8 +13,10 @@ runtime's other CPU collectives use; absent: they take the node's link). `effici
 (optional, 1 when absent) is the rate of fused attention kernels (sdpa, flash, TE) over the GEMM
 rate on the FLOPs the plan counts for them: many small per-head products with the softmax in
 between reach less of the peak than one large GEMM. `efficiency.overlap` (optional, 1 when
-absent) is the share of a collective's time that compute issued beside it hides: 1 where copy
-engines and NICs move the data (GPUs), less on a CPU host, whose cores both compute and copy.
+absent, from -1 to 1) is the share of the shorter of a collective and the compute issued beside
+it that running them together saves: 1 where copy engines and NICs move the data (GPUs), less on
+a CPU host, whose cores both compute and copy; below 0 when they contend, so that together they
+take longer than one after the other.
 `efficiency.optimizer` (optional, 1 when absent) is the optimizer step's rate on the bytes the
 model counts for it over the memory-bound kernels' rate: one fused pass over a flat buffer
 streams faster than a layer's mix of small kernels. `--machine` takes a shipped profile's name or a profile file's path."""
@@ -58,7 +60,7 @@ class Machine:
     point_to_point: Link | None = None  # the link of sends inside a node, when not intra_node's
     all_to_all: Link | None = None  # the link of all-to-alls inside a node, when not intra_node's
     attention_efficiency: float = 1.0  # a fused attention kernel's rate over the GEMM rate (absent: 1)
-    comm_overlap: float = 1.0  # the share of a collective's time compute running beside it hides (absent: 1)
+    comm_overlap: float = 1.0  # what running a collective beside compute saves, of the shorter (absent: 1)
     optimizer_efficiency: float = 1.0  # the optimizer step's rate over the memory-bound kernels' (absent: 1)
 
     def peak(self, dtype: str) -> float:
@@ -163,5 +165,5 @@ def _machine(doc, path: str, source: str) -> Machine:
         op_overhead=number(eff, "op_overhead", least=-1e-300) if "op_overhead" in eff else 0.0,
         point_to_point=links.get("point_to_point"), all_to_all=links.get("all_to_all"),
         attention_efficiency=number(eff, "attention") if "attention" in eff else 1.0,
-        comm_overlap=number(eff, "overlap", least=-1e-300, most=1.0) if "overlap" in eff else 1.0,
+        comm_overlap=number(eff, "overlap", least=-1.0 - 1e-9, most=1.0) if "overlap" in eff else 1.0,
         optimizer_efficiency=number(eff, "optimizer") if "optimizer" in eff else 1.0)

@@ -16,8 +16,9 @@ and the memory each GPU needs. docs/planning.md states the model; in short:
   collective costs that many seconds more, forward and backward each (and its forward again
   when recomputed): the framework's dispatch, autograd and allocation;
 * only the overlaps the runtime performs, each hiding the profile's `overlap` share of the
-  compute beside it (1 on the datasheet profiles; a CPU host's cores both compute and copy): an
-  op's collectives beside its own GEMMs where its `comm_hidden` says so (a column-parallel linear's backward gather, reduce-scatter or all-reduce
+  shorter of the collectives and the compute beside them (beside(); 1 on the datasheet profiles,
+  less on a CPU host, whose cores both compute and copy): an op's collectives beside its own
+  GEMMs where its `comm_hidden` says so (a column-parallel linear's backward gather, reduce-scatter or all-reduce
   beside its grad-input and weight-gradient GEMMs; the CP ring's steps beside the block
   computations), the data-parallel gradient buckets beside the last micro-batch's backward (all
   but the last bucket; at PP 1 only: a pipelined step reduces them after the schedule); nothing else;
@@ -99,6 +100,16 @@ def group_link(machine, stride: int, n: int) -> tuple:
     per_node = max(1, dpn // stride) if stride < dpn else 1
     inter = machine.inter_node
     return Link(inter.name, min(machine.intra_node.bandwidth, inter.bandwidth * per_node), inter.latency), False
+
+
+def beside(comm: float, compute: float, machine) -> float:
+    """The exposed part of `comm` seconds of collectives issued beside `compute` seconds of work:
+    comm - overlap · min(comm, compute), the form calibrate measures the profile's `overlap` in
+    (a GEMM and a collective together take g + c - overlap · min(g, c)). At 1 (a GPU's copy
+    engines and NICs) what fits beside the compute is hidden; at 0 nothing is; below 0 (a CPU
+    host whose cores both compute and copy, and contend) running both costs more than the two
+    one after the other."""
+    return comm - machine.comm_overlap * min(comm, compute)
 
 
 def bubble_time(pp: int, virtual: int, microbatch_time: float) -> float:
@@ -195,7 +206,8 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
         # reduces every bucket in finalize_model_grads, after it: nothing hidden
         if job.overlap_grad_reduce and not pipe:
             window = ranks[r].backward  # the last micro-batch's backward on this rank
-            dp_exposed = last + max(0.0, full - last - machine.comm_overlap * window) if full > 0 else 0.0
+            rest = max(0.0, full - last)
+            dp_exposed = last + beside(rest, window, machine) if full > 0 else 0.0
         else:  # every bucket after backward
             dp_exposed = full
         gather = (coll("all_gather", dense * elt, "dp") + coll("all_gather", experts * elt, "edp")
@@ -209,7 +221,7 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
             # theirs.
             fill = sum(per_stage[i].forward + p2p(stages[i], "send")[0] + p2p(stages[i + 1], "recv")[1]
                        for i in range(min(r, len(stages) - 1)))
-            gather = max(0.0, gather - machine.comm_overlap * fill)
+            gather = beside(gather, fill, machine)
         share = (dense + experts) / max(1, t["parameters"])
         sync = coll("all_reduce", t.get("tp_partial_grad_parameters", 0) * 4 * share, "tp") + \
             coll("all_reduce", t.get("cp_partial_grad_parameters", 0) * 4 * share, "cp")
@@ -306,7 +318,7 @@ def _add_entry(acc: _Acc, mult: float, e, machine, dtype: str, coll) -> None:
         acc.add("compute", mult * gemm, backward)
         times = [(axis, coll(kind, nbytes, axis)) for (kind, nbytes), axis in zip(colls, axes)]
         total = sum(x for _, x in times)
-        exposed = max(0.0, total - machine.comm_overlap * hidden * gemm)
+        exposed = beside(total, hidden * gemm, machine)
         for axis, x in times:
             if total > 0:
                 acc.add(axis, mult * exposed * x / total, backward)

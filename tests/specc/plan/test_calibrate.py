@@ -30,8 +30,8 @@ def test_profile_recovers_the_constants(tmp_path):
                      for f in [2.0 * m_ * k * n_ * n ** 3] for v in GEMM_VARIANTS] for d in DTYPES},
         # fused attention at 0.4 of the fp32 GEMM rate: forward (F + F_half), backward twice that
         "attention": [(f, 3 * (f + half) / (0.4 * rate["fp32"])) for f in (1e8, 4e8, 9e8)],
-        # (GEMM alone, all-reduce alone, together): 0.6 of the shorter hidden
-        "overlap": [(2e-3, 1e-3, 2.4e-3), (4e-3, 5e-3, 6.4e-3), (1e-3, 1e-3, 1.4e-3)],
+        # (GEMM alone, collective alone, together): 0.6 of the shorter saved, one contended (-0.5)
+        "overlap": [(2e-3, 1e-3, 2.4e-3), (4e-3, 5e-3, 6.4e-3), (1e-3, 1e-3, 1.4e-3), (2e-3, 1e-3, 3.5e-3)],
         # the fused optimizer step streams its 32 bytes an element at 2.5x the kernel mix's rate
         "optimizer": [(n, n * 32 / (2.5 * bandwidth)) for n in (1 << 20, 1 << 22)],
         "memory": [(k * n, k * n / bandwidth) for n in ELEMENTWISE for k in (12, 8, 9, 8, 8)],

@@ -15,7 +15,7 @@ from specc.errors import Loc, SpecError
 from specc.frontend.model import Settings
 from specc.plan import build_plan
 from specc.plan.machine import Link, known_machines, load_machine
-from specc.plan.time import Job, bubble_time, collective_time, gemm_time, group_link, predict
+from specc.plan.time import Job, beside, bubble_time, collective_time, gemm_time, group_link, predict
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 GPT = os.path.join(ROOT, "specs", "gpt.yaml")
@@ -121,6 +121,12 @@ def test_overlap_share_hides_that_much_of_the_compute_beside_a_collective():
     """efficiency.overlap: at 0 nothing is hidden, every collective and the DP reduction count
     whole (their sum is the step's communication); at 1 the model's overlaps as before; the
     compute itself does not change."""
+    def at(x):
+        return dataclasses.replace(A100, comm_overlap=x)
+
+    # calibrate's form: a GEMM and a collective together take g + c - overlap min(g, c)
+    assert beside(2.0, 5.0, at(0.5)) == 1.0 and beside(2.0, 5.0, at(1.0)) == 0.0
+    assert beside(3.0, 1.0, at(1.0)) == 2.0 and beside(2.0, 1.0, at(-0.5)) == 2.5  # contention costs
     plan, seq = plan_of(tp=2, sp=True)
     none, full = (predict(plan, seq, dataclasses.replace(A100, comm_overlap=x), Job(4, 8))["breakdown_s"]
                   for x in (0.0, 1.0))
