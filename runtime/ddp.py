@@ -123,10 +123,19 @@ class DistributedDataParallel(nn.Module):
         # (--overlap-param-gather): bucket index -> its pending gather, waited for by a forward
         # pre-hook on each module that holds a parameter of that bucket.
         self._param_gathers: dict = {}
+        first_use: dict = {}
         for m in module.modules():
             own = sorted({self._bucket_of[p].index for p in m.parameters(recurse=False) if p in self._bucket_of})
             if own:
                 self._hooks.append(m.register_forward_pre_hook(self._param_hook(own)))
+            for i in own:
+                first_use.setdefault(i, len(first_use))
+        # The order a forward reaches the buckets: by the first module (in registration order, which
+        # a model's forward follows) that holds one of their parameters. The buckets themselves are
+        # in reverse order (backward's), so the first module's parameters are in the last bucket;
+        # the optimizer starts the overlapped gathers in this order, so that the first forward
+        # waits for one bucket's gather, not for all of them (collectives of a group run in order).
+        self.forward_order = sorted(range(len(self.buckets)), key=lambda i: (first_use.get(i, len(self.buckets)), i))
         self._next_launch = 0
         self._reset_buckets()
 

@@ -210,7 +210,10 @@ class FlatOptimizer:
         raise NotImplementedError
 
     def _all_gather_params(self) -> None:
-        for bucket, r in zip(self.ddp.buckets, self.ranges):
+        # overlapped with the next forward: in the order that forward needs the buckets
+        order = self.ddp.forward_order if self.overlap_param_gather else range(len(self.ranges))
+        for i in order:
+            bucket, r = self.ddp.buckets[i], self.ranges[i]
             # The input is this rank's part of the output: gather from a copy.
             out = self.ddp.param_buffer[bucket.start:bucket.end]
             if self.overlap_param_gather and bucket.group.size > 1:

@@ -213,15 +213,19 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
         gather = (coll("all_gather", dense * elt, "dp") + coll("all_gather", experts * elt, "edp")
                   if job.distributed_optimizer else 0.0)
         if job.overlap_param_gather:
-            # The runtime starts every bucket's gather at once, in bucket order, and a forward waits
-            # for its module's bucket; buckets hold the parameters in reverse registration order,
-            # so a rank's first module (the embedding, a stage's first layer) is in its last bucket
-            # and waits for all of them (collectives of one group run in order). What hides them is
-            # the pipeline's fill: rank r's first forward starts after the stages before it ran
-            # theirs.
+            # The runtime starts every bucket's gather at once, in the order the forward needs them
+            # (runtime/ddp.py forward_order), and a forward waits for its module's bucket: the first
+            # forward waits for the first bucket's gather (collectives of one group run in order),
+            # which the pipeline's fill hides (rank r's first forward starts after the stages
+            # before it ran theirs); the other buckets' gathers run beside what is left of the
+            # fill and the first micro-batch's forward.
             fill = sum(per_stage[i].forward + p2p(stages[i], "send")[0] + p2p(stages[i + 1], "recv")[1]
                        for i in range(min(r, len(stages) - 1)))
-            gather = beside(gather, fill, machine)
+            first = coll("all_gather", min(BUCKET_ELEMENTS, dense) * elt, "dp") if dense else \
+                coll("all_gather", min(BUCKET_ELEMENTS, experts) * elt, "edp")
+            first = min(first, gather)
+            gather = beside(first, fill, machine) + \
+                beside(gather - first, max(0.0, fill - first) + ranks[r].forward, machine)
         share = (dense + experts) / max(1, t["parameters"])
         sync = coll("all_reduce", t.get("tp_partial_grad_parameters", 0) * 4 * share, "tp") + \
             coll("all_reduce", t.get("cp_partial_grad_parameters", 0) * 4 * share, "cp")

@@ -120,6 +120,8 @@ def _fp16_and_param_gather(rank, world):
             ddp.finish_param_sync()
             weights[overlap] = ([p.detach().clone() for p in model.parameters()], pending, len(ddp.buckets))
         out["gather"] = weights
+        first = next(m for m in model.modules() if list(m.parameters(recurse=False)))
+        out["order"] = (ddp.forward_order, {ddp._bucket_of[p].index for p in first.parameters(recurse=False)})
         return out
     finally:
         pg.destroy()
@@ -133,6 +135,11 @@ def test_fp16_inf_skips_on_every_rank_and_overlapped_param_gather_matches(gloo):
         (plain, plain_pending, buckets), (overlapped, pending, _) = out["gather"][False], out["gather"][True]
         assert buckets > 1 and plain_pending == [[]] * 6
         assert pending == [[], list(range(buckets))] * 3  # each step's gathers wait for the next forward
+        # the gathers start in the order the forward needs them: the first module's parameters
+        # sit in the last buckets (buckets follow backward's order) and are gathered first
+        order, first = out["order"]
+        assert sorted(order) == list(range(buckets)) and set(order[:len(first)]) == first
+        assert buckets - 1 in first and order != list(range(buckets))
         for a, b in zip(plain, overlapped):
             assert torch.equal(a, b)  # the same collectives, only later
     assert all(torch.equal(a, b) for a, b in zip(results[0]["gather"][True][0], results[1]["gather"][True][0]))

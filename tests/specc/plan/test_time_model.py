@@ -15,7 +15,16 @@ from specc.errors import Loc, SpecError
 from specc.frontend.model import Settings
 from specc.plan import build_plan
 from specc.plan.machine import Link, known_machines, load_machine
-from specc.plan.time import Job, beside, bubble_time, collective_time, gemm_time, group_link, predict
+from specc.plan.time import (
+    BUCKET_ELEMENTS,
+    Job,
+    beside,
+    bubble_time,
+    collective_time,
+    gemm_time,
+    group_link,
+    predict,
+)
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 GPT = os.path.join(ROOT, "specs", "gpt.yaml")
@@ -396,15 +405,27 @@ def _solve(a, b):
 
 def test_overlap_flags():
     """--no-overlap-grad-reduce: the whole ring all-reduce of the fp32 gradients after backward.
-    --overlap-param-gather: the first forward waits for every bucket (the runtime's bucket
-    order), so at PP 1 nothing is hidden."""
+    --overlap-param-gather: the gathers start in the order the forward needs the buckets, so at
+    PP 1 the first forward waits for the first bucket's gather and the others run beside the
+    forward (beside())."""
     plan, seq = plan_of(overrides=[("hidden_size", 512)])  # more parameters than one 4M-element bucket
     p = plan.totals["parameters"]
     late = predict(plan, seq, A100, Job(4, 4, overlap_grad_reduce=False))
     assert late["breakdown_s"]["dp_grad_reduce"] == pytest.approx(
         collective_time("all_reduce", p * 4, 4, A100.intra_node, A100.link_efficiency), rel=1e-12)
     assert predict(plan, seq, A100, Job(4, 4))["breakdown_s"]["dp_grad_reduce"] < late["breakdown_s"]["dp_grad_reduce"]
-    dist = predict(plan, seq, A100, Job(4, 4, True))
-    assert predict(plan, seq, A100, Job(4, 4, True, overlap_param_gather=True))["step_time_s"] == dist["step_time_s"]
+    gather = collective_time("all_gather", p * 2, 4, A100.intra_node, A100.link_efficiency)  # bf16
+    first = collective_time("all_gather", BUCKET_ELEMENTS * 2, 4, A100.intra_node, A100.link_efficiency)
+    assert p > BUCKET_ELEMENTS and first < gather
+    # free compute: nothing to hide behind, the whole gather is exposed, as without overlap
+    free = free_compute(A100)
+    for machine in (A100, free):
+        assert predict(plan, seq, machine, Job(4, 4, True))["breakdown_s"]["dp_param_gather"] == pytest.approx(gather)
+    over = predict(plan, seq, free, Job(4, 4, True, overlap_param_gather=True))["breakdown_s"]["dp_param_gather"]
+    assert over == pytest.approx(gather, rel=1e-9)
+    # a forward far longer than the gathers: only the first bucket's gather is waited for
+    slow = dataclasses.replace(A100, peak_flops={k: 1e9 for k in A100.peak_flops})
+    over = predict(plan, seq, slow, Job(4, 4, True, overlap_param_gather=True))["breakdown_s"]["dp_param_gather"]
+    assert over == pytest.approx(first, rel=1e-9)
     with pytest.raises(SpecError, match="needs --use-distributed-optimizer"):
         predict(plan, seq, A100, Job(4, 4, overlap_param_gather=True))
