@@ -343,21 +343,27 @@ def read_tensors(directory: str, names=None, step: int | None = None, verify_che
     unknown = [n for n in names if n not in info["params"]]
     if unknown:
         raise CheckpointError(f"{path}: no parameter(s) {_some(unknown)} in the checkpoint")
-    entries = {}
-    for n in names:
-        shape = tuple(info["params"][n]["shape"])
-        dtype = getattr(torch, info["params"][n]["dtype"])
-        entries[f"model/{n}"] = Boxes(shape, dtype, [((0,) * len(shape), torch.empty(shape, dtype=dtype))])
-    entries["replicated"] = None
-    try:
-        dcp.load(path, entries)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{path}: reading the checkpoint failed: {_first_line(e)}") from None
+    entries = _load_whole(path, {f"model/{n}": info["params"][n] for n in names})
     saved_step = (entries["replicated"] or {}).get("step")
     if saved_step is not None and saved_step != info["step"]:
         raise CheckpointError(f"{path}: the saved data is of step {saved_step}, but {INFO} says step {info['step']} "
                               f"(an edited {INFO}?)")
     return {n: entries[f"model/{n}"].boxes[0][1] for n in names}
+
+
+def _load_whole(path: str, described: dict) -> dict:
+    """{key: Boxes holding the whole tensor} for each {key: {"shape", "dtype"}} of the checkpoint
+    at `path`, read in one dcp.load, with its "replicated" values; a failure is one line."""
+    entries = {}
+    for key, d in described.items():
+        shape, dtype = tuple(d["shape"]), getattr(torch, d["dtype"])
+        entries[key] = Boxes(shape, dtype, [((0,) * len(shape), torch.empty(shape, dtype=dtype))])
+    entries["replicated"] = None
+    try:
+        dcp.load(path, entries)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path}: reading the checkpoint failed: {_first_line(e)}") from None
+    return entries
 
 
 def read_optimizer_tensors(directory: str, step: int | None = None, verify_checksums: bool = True) -> dict | None:
@@ -371,15 +377,7 @@ def read_optimizer_tensors(directory: str, step: int | None = None, verify_check
         return None
     _verify_files(path, info, world, verify_checksums)
     sharded = info["optimizer"].get("sharded") or {}
-    entries = {}
-    for key, d in sharded.items():
-        shape, dtype = tuple(d["shape"]), getattr(torch, d["dtype"])
-        entries[f"optimizer/{key}"] = Boxes(shape, dtype, [((0,) * len(shape), torch.empty(shape, dtype=dtype))])
-    entries["replicated"] = None
-    try:
-        dcp.load(path, entries)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{path}: reading the checkpoint failed: {_first_line(e)}") from None
+    entries = _load_whole(path, {f"optimizer/{key}": d for key, d in sharded.items()})
     saved = (entries["replicated"] or {}).get("optimizer") or {}
     out = {"step": saved.get(("step",))}
     for key, d in sharded.items():
