@@ -15,6 +15,15 @@ gradient, the bucket's reduction starts asynchronously while backward goes on wi
 layers. Buckets start strictly in index order, so every rank issues the same collectives in the
 same order. The gradients are averaged: each bucket is scaled by 1/DP before the sum.
 
+Under pipeline parallelism the whole schedule runs under `no_sync()`, and each stage's last
+backward of the step (its last micro-batch; a rank holds one stage per virtual chunk) runs inside
+`final_backward()` (runtime.pipeline): the gradients that arrive there are final, so their buckets
+start reducing while the schedule goes on with the rank's other chunks and the pipeline drains,
+as Megatron's per-chunk gradient sync does. A bucket holding a weight tied across pipeline stages
+(runtime.init.tie_across_stages) is held back until finalize_model_grads has summed that weight
+over the embedding group: the first and the last stage lay it out at different offsets, so a
+reduce-scatter shard of one covers other elements than the other's.
+
 `grad_reduce="all_reduce"` leaves the full averaged gradient on every rank (the replicated
 optimizer); `"reduce_scatter"` leaves each rank only its shard of every bucket (the distributed
 optimizer steps on that shard and all-gathers the parameters back into the parameter buffer).
@@ -37,6 +46,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .init import tied_name
 from .parallel_state import ProcessGroups
 
 GRAD_REDUCE_MODES = ("all_reduce", "reduce_scatter")
@@ -51,6 +61,7 @@ class Bucket:
     pending: int = 0  # parameters whose gradient has not arrived in this synchronized backward
     group: object = None  # the data-parallel group it is reduced over (dp; edp for expert weights)
     launched: bool = False
+    held: bool = False  # holds a weight tied across pipeline stages: starts in finish_grad_sync
     handle: object = None
     shard_out: torch.Tensor | None = None  # reduce-scatter output, copied into the buffer on finish
 
@@ -117,7 +128,14 @@ class DistributedDataParallel(nn.Module):
                 p.data = view
                 p.main_grad = self.grad_buffer[lo:hi].view_as(p)
                 p.grad = None
+        embd = getattr(pg, "embd", None)
+        if embd is not None and embd.size > 1:
+            for p in self.params:
+                if tied_name(p) is not None:
+                    self._bucket_of[p].held = True
         self._sync = True
+        self._final = False  # inside a pipeline stage's last backward of the step (final_backward)
+        self._counted: set = set()  # parameters whose final gradient of the step has arrived
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         # The distributed optimizer's parameter all-gathers when overlapped with the next forward
         # (--overlap-param-gather): bucket index -> its pending gather, waited for by a forward
@@ -162,6 +180,25 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync = previous
 
+    @contextlib.contextmanager
+    def final_backward(self):
+        """A pipeline stage's last backward of the step, while the schedule runs under no_sync():
+        the gradients that arrive in it are final, and a bucket whose parameters all have theirs
+        starts reducing (runtime.pipeline enters this for each stage's last micro-batch)."""
+        previous, self._final = self._final, True
+        try:
+            yield
+        finally:
+            self._final = previous
+
+    def take_assigned_grads(self) -> None:
+        """Take the gradients that were assigned to `.grad` rather than accumulated by autograd
+        (torch's zero-bubble weight pass, stage_backward_weight, sets .grad itself, and no
+        post-accumulate hook runs) into main_grad, as the hook does."""
+        for p in self.params:
+            if p.grad is not None:
+                self._grad_ready(p)
+
     def _grad_ready(self, p: nn.Parameter) -> None:
         bucket = self._bucket_of[p]
         if bucket.launched:
@@ -170,14 +207,23 @@ class DistributedDataParallel(nn.Module):
                                "(finalize_model_grads) once per step")
         p.main_grad.add_(p.grad)
         p.grad = None
-        if self._sync:
+        if (self._sync or self._final) and p not in self._counted:
+            self._counted.add(p)
             bucket.pending -= 1
             if self.overlap_grad_reduce:
                 self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending <= 0:
-            self._launch(self.buckets[self._next_launch])
+        """Start the buckets that are complete, in index order (the same order on every rank of
+        the group); a held bucket is passed over, and starts in finish_grad_sync."""
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.held:
+                self._next_launch += 1
+            elif bucket.pending <= 0:
+                self._launch(bucket)
+            else:
+                break
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
@@ -243,6 +289,7 @@ class DistributedDataParallel(nn.Module):
             bucket.handle = None
             bucket.shard_out = None
         self._next_launch = 0
+        self._counted = set()
 
     def zero_grad_buffer(self) -> None:
         """Start a new step: zero the fp32 gradients (and any stray .grad)."""

@@ -92,25 +92,44 @@ def _rng_untouched(device: torch.device, rng_tracker: RNGTracker | None):
 
 
 def _stage_class(pl):
-    """torch's PipelineStage whose shape inference draws no random numbers.
+    """torch's PipelineStage, with two changes.
 
-    On its first step a stage infers the shapes it sends by running one forward on real tensors:
-    with dropout that consumes the RNG streams once, in the first step of a run. A run resumed
-    from a checkpoint would consume them in its first step (after the states were restored), where
-    the run it continues did not, and its masks (so its losses) would differ from there on."""
-    if not hasattr(pl.PipelineStage, "_forward_metadata_inference"):
+    Its shape inference draws no random numbers: on its first step a stage infers the shapes it
+    sends by running one forward on real tensors; with dropout that consumes the RNG streams once,
+    in the first step of a run. A run resumed from a checkpoint would consume them in its first
+    step (after the states were restored), where the run it continues did not, and its masks (so
+    its losses) would differ from there on.
+
+    Its last backward of the step (the schedule's `last_backward`: a stage's last micro-batch, for
+    the weight half too under zero-bubble) runs inside the DistributedDataParallel's
+    final_backward(), so the gradients finished there start their data-parallel reduction while
+    the schedule goes on (torch's own hook for this knows only torch's DDP and FSDP). And the
+    zero-bubble weight pass, which assigns `.grad` where autograd would accumulate it (so no
+    post-accumulate hook runs), hands its gradients to the DDP's main_grad: without it they
+    stayed in `.grad`, which the optimizer never reads."""
+    infers = hasattr(pl.PipelineStage, "_forward_metadata_inference")
+    if not infers:
         warnings.warn("this torch's PipelineStage infers shapes elsewhere: with dropout, a resumed pipeline run "
                       "may draw other masks than the run it continues", RuntimeWarning, stacklevel=3)
-        return pl.PipelineStage
 
     class Stage(pl.PipelineStage):
-        def __init__(self, *args, rng_tracker: RNGTracker | None = None, **kwargs):
+        def __init__(self, *args, rng_tracker: RNGTracker | None = None, grad_sync=None, **kwargs):
             super().__init__(*args, **kwargs)
-            self.rng_tracker = rng_tracker
+            self.rng_tracker, self.grad_sync = rng_tracker, grad_sync
 
-        def _forward_metadata_inference(self, *args, **kwargs):
-            with _rng_untouched(self.device, self.rng_tracker):
-                return super()._forward_metadata_inference(*args, **kwargs)
+        if infers:
+            def _forward_metadata_inference(self, *args, **kwargs):
+                with _rng_untouched(self.device, self.rng_tracker):
+                    return super()._forward_metadata_inference(*args, **kwargs)
+
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+            final = self.grad_sync.final_backward() if last_backward and self.grad_sync is not None \
+                else contextlib.nullcontext()
+            with final:
+                out = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+                if backward_type == "weight" and self.grad_sync is not None:
+                    self.grad_sync.take_assigned_grads()  # the weight pass sets .grad, no hook runs
+            return out
 
     return Stage
 
@@ -132,6 +151,9 @@ class Pipeline:
 
     input_names: the model's inputs, in the spec's order (passed by name to every stage).
     rng_tracker: the model's RNG tracker, left untouched by the stages' shape inference.
+    ddp: the model's runtime.ddp.DistributedDataParallel: each stage's last backward of the step
+    runs in its final_backward(), so that the data-parallel reduction of the gradients finished
+    there overlaps the rest of the schedule (None: every bucket is reduced after it).
     scatter_gather: send TP-replicated activations as 1/t slices, all-gathered over TP on arrival
     (the module's docstring); False sends them whole.
     `step(inputs, micro_batches)` runs forward and backward of one global batch on this DP rank
@@ -140,14 +162,14 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, pg: ProcessGroups, n_microbatches: int, input_names, *,
                  schedule: str | None = None, device: torch.device | None = None,
-                 rng_tracker: RNGTracker | None = None, scatter_gather: bool = True):
+                 rng_tracker: RNGTracker | None = None, scatter_gather: bool = True, ddp=None):
         from torch.distributed import pipelining as pl
 
         if pg.pp.size < 2:
             raise ValueError("a Pipeline needs a pipeline-parallel group of 2 or more ranks")
         self.model, self.pg, self.n = model, pg, n_microbatches
         self._build = dict(schedule=schedule, device=device, rng_tracker=rng_tracker,  # with_micro_batches
-                           scatter_gather=scatter_gather)
+                           scatter_gather=scatter_gather, ddp=ddp)
         self.input_names = tuple(input_names)
         rows = stages_of(model)
         self.schedule_name = schedule or default_schedule(model)
@@ -156,7 +178,7 @@ class Pipeline:
         num_stages = pg.pp.size * len(rows)
         device = device or torch.device("cpu")
         stage_class = _stage_class(pl)
-        extra = {"rng_tracker": rng_tracker} if stage_class is not pl.PipelineStage else {}
+        extra = {"rng_tracker": rng_tracker, "grad_sync": ddp}
         self._meter, self._metered = None, set()
         tp = pg.tp if scatter_gather and pg.tp.size > 1 else None
         self.stages = [stage_class(_StageModule(model, row["stage"], self._around, row, tp), row["stage"], num_stages,

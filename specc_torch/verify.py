@@ -339,7 +339,7 @@ def _run_pipeline(model, pg, cfg, names, inputs) -> dict:
 
     ddp = DistributedDataParallel(model, pg)
     share = cfg.batch // pg.dp.size
-    pipe = Pipeline(model, pg, share, names, schedule=cfg.pp_schedule)
+    pipe = Pipeline(model, pg, share, names, schedule=cfg.pp_schedule, ddp=ddp)
     losses, grads = [], None
     for step in range(cfg.steps):
         batch = _data(cfg, inputs, step)

@@ -123,7 +123,7 @@ def setup_model_and_optimizer(cfg: TrainConfig, pg: ProcessGroups, device: torch
         from ..pipeline import Pipeline
 
         pipeline = Pipeline(model, pg, cfg.num_micro_batches, [i.name for i in spec.inputs],
-                            schedule=cfg.parallel.pp_schedule, device=device, rng_tracker=rng)
+                            schedule=cfg.parallel.pp_schedule, device=device, rng_tracker=rng, ddp=ddp)
     return Setup(model, ddp, optimizer, schedule, spec, rng, device, forward_step_for(spec), pipeline, decoupled)
 
 
@@ -235,8 +235,9 @@ def train_step(setup: Setup, micro_batches: list, lr: float, pg: ProcessGroups, 
     masked = torch.zeros((), dtype=torch.float64, device=setup.device)  # the sum of the masked per-token losses
     aux: dict = {}  # the MoE auxiliary losses, mean over the micro-batches
     if setup.pipeline is not None:
-        # the schedule runs every micro-batch's forward and backward on this rank's stages; the
-        # data-parallel reduction waits for finalize_model_grads (after the tied-weight sum)
+        # the schedule runs every micro-batch's forward and backward on this rank's stages; each
+        # stage's last backward starts the data-parallel reduction of the gradients it finished
+        # (Pipeline's ddp), a weight tied across stages after the tied sum (finalize_model_grads)
         pipeline = pipeline_for(setup, n)
         with ddp.no_sync(), _autocast(setup, bf16):
             pipeline.step(micro_batches, loss_scale=scale, saved_meter=saved_meter,
