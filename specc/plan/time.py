@@ -21,7 +21,8 @@ and the memory each GPU needs. docs/planning.md states the model; in short:
   GEMMs where its `comm_hidden` says so (a column-parallel linear's backward gather, reduce-scatter or all-reduce
   beside its grad-input and weight-gradient GEMMs; the CP ring's steps beside the block
   computations), the data-parallel gradient buckets beside the last micro-batch's backward (all
-  but the last bucket; at PP 1 only: a pipelined step reduces them after the schedule); nothing else;
+  but the last bucket; at PP > 1 what is left also behind the drain, while the stages before the
+  rank finish, and the tied embedding's bucket after the schedule); nothing else;
 * the pipeline runs m = global batch / (micro-batch · DP) micro-batches: m times the slowest
   rank's micro-batch, plus the bubble (P - 1)/V times the mean one;
 * then the exposed DP reduction, the distributed optimizer's parameter all-gather, the TP/CP
@@ -195,19 +196,53 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
     # after the last micro-batch: the data-parallel reduction and the optimizer, per rank
     params = _rank_parameters(t, pp)
     grad_mode = "reduce_scatter" if job.distributed_optimizer else "all_reduce"
+    tied = _tied_elements(plan, pipe) if pipe and pipe["ties"] else 0
+
+    def dp_reduction_exposed(r: int, mode: str) -> float:
+        """Seconds of rank r's data-parallel reduction past the end of the pipeline schedule, as
+        runtime/ddp.py runs it. Its buckets start in index order, each once its gradients are
+        in, in the last micro-batch's backward: the rank's last chunk's first (its stage's last
+        backward: final_backward), then each earlier chunk's, whose last backward comes P chunk
+        backwards later (interleaved 1F1B's cooldown), the rank's first chunk's last, its last
+        bucket when that backward ends; expert weights' buckets follow all the dense ones (so start
+        when backward ends); they queue on the link, beside the backward compute still to run
+        (beside(): the profile's overlap share of it hidden). After its last backward rank r idles
+        while the stages before it run theirs (the drain), which hides what is left. A bucket
+        holding the weight tied across the pipeline's ends waits for the tied sum, after the
+        schedule: exposed whole."""
+        mine = sorted((i for i, st in enumerate(stages) if st["rank"] == r), key=lambda i: -stages[i].get("chunk", 0))
+        dense_total, experts = params[r]
+        held = tied if r in (0, pp - 1) else 0
+        backward = [per_stage[i].backward for i in mine]
+        chunk_dense = [stages[i].get("parameters", dense_total + experts) - stages[i].get("expert_parameters", experts)
+                       for i in mine]
+        for k, i in enumerate(mine):  # the tied weight lives on the first stage and the last
+            if held and (stages[i].get("pre_process") or stages[i].get("post_process")):
+                chunk_dense[k] = max(0, chunk_dense[k] - held)
+        clock, total = float("-inf"), 0.0  # seconds relative to the end of the rank's last backward
+        for k, elements in enumerate(chunk_dense):
+            if not elements:
+                continue
+            begins = -sum(backward[k:]) - (pp - 1) * sum(backward[k + 1:])  # its last backward starts
+            whole, last = coll(mode, elements * 4, "dp"), coll(mode, min(BUCKET_ELEMENTS, elements) * 4, "dp")
+            clock = max(clock, begins) + whole - last
+            clock = max(clock, begins + backward[k]) + last
+            total += whole
+        if experts:
+            whole = coll(mode, experts * 4, "edp")
+            clock, total = max(clock, 0.0) + whole, total + whole
+        if total <= 0:
+            return coll(mode, held * 4, "dp")
+        hidden = total - max(0.0, clock)  # what ran beside backward at full overlap
+        exposed = total - machine.comm_overlap * hidden
+        drain = sum(per_stage[i].backward for i in range(min(r, len(stages))))
+        return max(0.0, exposed - drain) + coll(mode, held * 4, "dp")
     post = []
     for r in range(pp):
         dense, experts = params[r]
         full = coll(grad_mode, dense * 4, "dp") + coll(grad_mode, experts * 4, "edp")
-        last_axis, last_elements = ("edp", experts) if experts and dp // ep > 1 else ("dp", dense)
-        last = coll(grad_mode, min(BUCKET_ELEMENTS, last_elements) * 4, last_axis)
-        # each bucket starts when its gradients are in, the last one exposed; but at PP > 1 the
-        # runtime runs the whole schedule under ddp.no_sync() (runtime/train/training.py) and
-        # reduces every bucket in finalize_model_grads, after it: nothing hidden
-        if job.overlap_grad_reduce and not pipe:
-            window = ranks[r].backward  # the last micro-batch's backward on this rank
-            rest = max(0.0, full - last)
-            dp_exposed = last + beside(rest, window, machine) if full > 0 else 0.0
+        if job.overlap_grad_reduce:
+            dp_exposed = dp_reduction_exposed(r, grad_mode)
         else:  # every bucket after backward
             dp_exposed = full
         gather = (coll("all_gather", dense * elt, "dp") + coll("all_gather", experts * elt, "edp")
