@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
+
+# gloo_launch.py beside these tests, importable by name here and in the gloo ranks
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def ranks_on_gloo(gloo, monkeypatch):
+    """ranks_on_gloo() -> from then on in the test, `specc train --nproc-per-node N` runs its N
+    ranks on the session's gloo pool instead of launching torchrun (tests/specc_cli/gloo_launch.py);
+    returns the list of the torchrun commands that would have been launched."""
+    from gloo_launch import install
+
+    return lambda: install(gloo, monkeypatch)
 
 
 @pytest.fixture

@@ -57,11 +57,14 @@ def test_keep_last_keeps_the_newest_checkpoints(specc, corpus, tmp_path):
     assert config_from_args(args).checkpoint.keep_last == 3
 
 
-def test_max_restarts_resumes_a_killed_rank_from_the_last_checkpoint(specc, corpus, tmp_path, monkeypatch):
+def test_max_restarts_resumes_a_killed_rank_from_the_last_checkpoint(specc, corpus, tmp_path, monkeypatch,
+                                                                     ranks_on_gloo):
     """The rank killed is rank 0, the one that writes metrics.jsonl: it flushes only every
     --log-interval (100 here), so what it buffered dies with it. Every checkpoint flushes it
     first, so the restarted run (which drops the lines after the checkpoint) ends up with every
-    iteration exactly once."""
+    iteration exactly once. The run nobody killed, the reference, trains its 2 ranks on the
+    session's gloo pool (tests/specc_cli/gloo_launch.py): the same command, without a second
+    torchrun launch's process starts."""
     import torch
 
     from runtime.checkpoint import complete_steps, latest_step, read_tensors
@@ -70,11 +73,6 @@ def test_max_restarts_resumes_a_killed_rank_from_the_last_checkpoint(specc, corp
     # TP=2 + SP with dropout: the resumed run must also restore every rank's RNG streams
     flags = ("--nproc-per-node", "2", "--tp", "2", "--sp", "--set", "hidden_dropout=0.1", "--train-iters", "6",
              "--save-interval", "2", "--keep-last", "2", "--data-path", corpus)
-    code, out, err = specc("train", GPT_TINY, *flags, *SMALL, "--save", tmp_path / "a", "--run-dir", tmp_path / "a")
-    assert code == 0, out + err
-    straight = [(r["iteration"], r["loss"]) for r in _train_records(tmp_path / "a")]
-    assert [i for i, _ in straight] == [1, 2, 3, 4, 5, 6]
-
     monkeypatch.setenv("SPECC_TEST_KILL_AT_ITER", "4")  # rank 0 SIGKILLs itself before iteration 4, once
     monkeypatch.setenv("SPECC_TEST_KILL_RANK", "0")
     buffered = (*SMALL[:6], "--log-interval", "100", *SMALL[8:])  # (a flag given twice is an error)
@@ -86,6 +84,15 @@ def test_max_restarts_resumes_a_killed_rank_from_the_last_checkpoint(specc, corp
     assert f"elastic restart 1: resuming from {tmp_path / 'b'}" in out
     assert f"loaded checkpoint {tmp_path / 'b' / 'step_0000002'} at iteration 2" in out
     killed = [(r["iteration"], r["loss"]) for r in _train_records(tmp_path / "b")]
+
+    monkeypatch.delenv("SPECC_TEST_KILL_AT_ITER")
+    monkeypatch.delenv("SPECC_TEST_KILL_RANK")
+    launched = ranks_on_gloo()
+    code, out, err = specc("train", GPT_TINY, *flags, *SMALL, "--save", tmp_path / "a", "--run-dir", tmp_path / "a")
+    assert code == 0, out + err
+    assert len(launched) == 1 and "launching 2 ranks: torchrun --nproc-per-node 2 --nnodes 1 -m specc_torch.train" in err
+    straight = [(r["iteration"], r["loss"]) for r in _train_records(tmp_path / "a")]
+    assert [i for i, _ in straight] == [1, 2, 3, 4, 5, 6]
     # iterations 1-2 of the first attempt (flushed by the checkpoint of iteration 2), then 3-6
     # from that checkpoint: each once (the first attempt's iteration 3 died in rank 0's buffer),
     # bit-identical, dropout included

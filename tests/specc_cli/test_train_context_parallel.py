@@ -1,5 +1,7 @@
 """Issue 11's acceptance: `specc train` at TP=2 x CP=2 (4 gloo ranks, with sequence parallelism)
-trains the tiny GPT, and its checkpoint loads at TP=1 x CP=1 with the same validation loss."""
+trains the tiny GPT, and its checkpoint loads at TP=1 x CP=1 with the same validation loss. The 4
+ranks are the session's gloo pool (tests/specc_cli/gloo_launch.py: the command line, launch's
+checks and the ranks' entry as `specc train` runs them, without torchrun's process starts)."""
 
 from __future__ import annotations
 
@@ -29,13 +31,14 @@ def _records(run_dir, kind) -> list:
 
 
 def test_tp2_cp2_trains_and_its_checkpoint_loads_at_tp1_cp1_with_the_same_validation_loss(specc, corpus, tmp_path,
-                                                                                          monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+                                                                                          ranks_on_gloo):
+    launched = ranks_on_gloo()
     ckpt = tmp_path / "ckpt"
     code, out, err = specc("train", GPT_TINY, "--nproc-per-node", "4", "--tensor-model-parallel-size", "2",
                            "--context-parallel-size", "2", "--sequence-parallel", "--train-iters", "3",
                            "--lr", "3e-3", "--save", ckpt, "--data-path", corpus, "--run-dir", tmp_path / "cp", *SMALL)
     assert code == 0, out + err[-3000:]
+    assert len(launched) == 1 and "launching 4 ranks: torchrun --nproc-per-node 4 --nnodes 1 -m specc_torch.train" in err
     assert "TP 2 x CP 2 x DP 1 x PP 1" in out and out.count("consumed samples:") == 3
     trained = _records(tmp_path / "cp", "train")
     assert [r["iteration"] for r in trained] == [1, 2, 3] and trained[-1]["loss"] < trained[0]["loss"]
@@ -45,6 +48,7 @@ def test_tp2_cp2_trains_and_its_checkpoint_loads_at_tp1_cp1_with_the_same_valida
     code, out, err = specc("train", GPT_TINY, "--load", ckpt, "--train-iters", "3", "--data-path", corpus,
                            "--run-dir", tmp_path / "one", *SMALL)
     assert code == 0, out + err
+    assert len(launched) == 1  # one rank: trained in this process
     (line,) = [ln for ln in out.splitlines() if ln.startswith(f"loaded checkpoint {ckpt / 'step_0000003'} at iteration 3")]
     assert "'cp': 2" in line and line.endswith(", resharded)")
     assert "note: the checkpoint's RNG states are not restored at another layout" in out  # said, not silent

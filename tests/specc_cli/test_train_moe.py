@@ -1,7 +1,9 @@
 """Issue 14's acceptance: `specc train` of the tiny Mixtral at EP=2 x DP=4 (4 gloo ranks: two
 expert-parallel groups of 2, the experts' gradients reduced over their expert-data-parallel
 group, the distributed optimizer) trains, logs the load-balancing loss beside the LM loss, and its
-checkpoint loads at EP=1 in one process with the same validation loss."""
+checkpoint loads at EP=1 in one process with the same validation loss. The 4 ranks are the
+session's gloo pool (tests/specc_cli/gloo_launch.py: the command line, launch's checks and the
+ranks' entry as `specc train` runs them, without torchrun's process starts)."""
 
 from __future__ import annotations
 
@@ -31,13 +33,14 @@ def _records(run_dir, kind) -> list:
 
 
 def test_ep2_trains_and_its_checkpoint_loads_at_ep1_with_the_same_validation_loss(specc, corpus, tmp_path,
-                                                                                   monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+                                                                                   ranks_on_gloo):
+    launched = ranks_on_gloo()
     ckpt = tmp_path / "ckpt"
     code, out, err = specc("train", MIXTRAL_TINY, "--nproc-per-node", "4", "--expert-model-parallel-size", "2",
                            "--use-distributed-optimizer", "--train-iters", "4", "--lr", "3e-3", "--save", ckpt,
                            "--data-path", corpus, "--run-dir", tmp_path / "ep", *SMALL)
     assert code == 0, out + err[-3000:]
+    assert len(launched) == 1 and "launching 4 ranks: torchrun --nproc-per-node 4 --nnodes 1 -m specc_torch.train" in err
     assert "TP 1 x CP 1 x DP 4 x PP 1" in out and out.count("load balancing loss: ") == 4
     trained = _records(tmp_path / "ep", "train")
     assert [r["iteration"] for r in trained] == [1, 2, 3, 4] and trained[-1]["loss"] < trained[0]["loss"]
@@ -47,6 +50,7 @@ def test_ep2_trains_and_its_checkpoint_loads_at_ep1_with_the_same_validation_los
     code, out, err = specc("train", MIXTRAL_TINY, "--load", ckpt, "--train-iters", "4", "--data-path", corpus,
                            "--run-dir", tmp_path / "one", *SMALL)
     assert code == 0, out + err
+    assert len(launched) == 1  # one rank: trained in this process
     (line,) = [ln for ln in out.splitlines() if ln.startswith(f"loaded checkpoint {ckpt / 'step_0000004'} at iteration 4")]
     assert "'ep': 2" in line and line.endswith(", resharded)")
     (loaded,) = _records(tmp_path / "one", "eval")

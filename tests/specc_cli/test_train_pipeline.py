@@ -2,7 +2,10 @@
 --pipeline-model-parallel-size 2 added trains the tiny GPT (tied embeddings; 4 layers here, so
 that PP=4 can load it) on 4 gloo ranks (TP=2 + SP inside each of 2 stages); its checkpoint,
 with the optimizer state, resumes at PP=1 and at PP=4 to the very step PP=2 took next; then the
-PP flags' errors, one line each, before any rank starts."""
+PP flags' errors, one line each, before any rank starts. PP=2 is launched through torchrun; PP=4's
+ranks are the session's gloo pool (tests/specc_cli/gloo_launch.py: the command line, launch's
+checks and the ranks' entry as `specc train` runs them, without a second torchrun launch's
+process starts)."""
 
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ def _records(run_dir, kind) -> list:
         return [r for r in map(json.loads, f) if r["kind"] == kind]
 
 
-def test_pp2_tp2_trains_and_its_checkpoint_resumes_at_pp1_and_pp4(specc, corpus, tmp_path, monkeypatch):
+def test_pp2_tp2_trains_and_its_checkpoint_resumes_at_pp1_and_pp4(specc, corpus, tmp_path, monkeypatch,
+                                                                  ranks_on_gloo):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ckpt = tmp_path / "ckpt"
     layers = ("--num-layers", "4")
@@ -49,6 +53,7 @@ def test_pp2_tp2_trains_and_its_checkpoint_resumes_at_pp1_and_pp4(specc, corpus,
 
     # Resume from step 3 at PP=1 (one process) and at PP=4 (4 ranks): weights, Adam moments and
     # the data position come back, so step 4 is PP=2's step 4 (loss before it, validation after it).
+    launched = ranks_on_gloo()
     runs = {"pp1": ("--micro-batch-size", "16", "--global-batch-size", "32", "--lr", "3e-3"),
             "pp4": ("--nproc-per-node", "4", "--pipeline-model-parallel-size", "4", "--micro-batch-size", "8",
                     "--global-batch-size", "32", "--lr", "3e-3")}
@@ -56,6 +61,7 @@ def test_pp2_tp2_trains_and_its_checkpoint_resumes_at_pp1_and_pp4(specc, corpus,
         code, out, err = specc("train", GPT_TINY, *flags, *layers, "--load", step3, "--train-iters", "4",
                                "--data-path", corpus, "--run-dir", tmp_path / name, *SMALL)
         assert code == 0, out + err[-3000:]
+        assert len(launched) == (name == "pp4")  # PP=1: one rank, trained in this process
         (line,) = [ln for ln in out.splitlines() if ln.startswith(f"loaded checkpoint {step3} at iteration 3")]
         assert "'pp': 2" in line and line.endswith(", resharded)")
         (step4,) = _records(tmp_path / name, "train")
