@@ -128,6 +128,21 @@ def read_text(path: str) -> str:
         raise SpecError(Loc(path, line, col), "file is not valid UTF-8", "save the spec as UTF-8") from None
 
 
+_COMPOSED: dict = {}  # text -> yaml's node tree, for texts of at most _CACHED_BYTES
+_CACHED_BYTES = 1 << 16
+
+
+def _compose(text: str):
+    """yaml.compose's node tree of `text`, parsed once per process (the converter only reads it):
+    a spec and the specs it extends are read again by every command, compile and hint."""
+    node = _COMPOSED.get(text)
+    if node is None:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if len(text) <= _CACHED_BYTES and len(_COMPOSED) < 1024:
+            _COMPOSED[text] = node
+    return node
+
+
 def load_yaml(text: str, path: str):
     """Parse one YAML document into LDict/LList/scalars with locations."""
     hint = "a spec is a YAML mapping with at least 'name', 'model' and 'modules'"
@@ -136,7 +151,7 @@ def load_yaml(text: str, path: str):
     if all(not ln.strip() or ln.lstrip().startswith("#") for ln in text.splitlines()):
         raise SpecError(Loc(path, 1, 1), "file holds only comments", hint)
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = _compose(text)
     except yaml.MarkedYAMLError as e:
         raise _syntax_error(e, path) from None
     except yaml.reader.ReaderError as e:  # a control character: locate it in the text
