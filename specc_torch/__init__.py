@@ -9,12 +9,12 @@ needs both.
 tests/test_layering.py checks the layering: runtime imports nothing from specc or specc_torch,
 specc imports no torch, and no import cycle joins modules of different packages."""
 
-from .api import build_model, compile_source
-
 __all__ = ["build_model", "compile_source", "import_hf", "export_hf"]
 
-# Hugging Face interop (safetensors, torch.distributed.checkpoint) is imported on first use.
-_LAZY = {"import_hf": "hf", "export_hf": "hf"}
+# Imported on first use: the API pulls in the runtime (torch and its models), which the rank
+# launcher (`python -m specc_torch.torchrun`, a process per `specc train`) does not need, and Hugging
+# Face interop (safetensors, torch.distributed.checkpoint).
+_LAZY = {"build_model": "api", "compile_source": "api", "import_hf": "hf", "export_hf": "hf"}
 
 
 def __getattr__(name):
