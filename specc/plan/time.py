@@ -23,8 +23,10 @@ and the memory each GPU needs. docs/planning.md states the model; in short:
   computations), the data-parallel gradient buckets beside the last micro-batch's backward (all
   but the last bucket; at PP > 1 what is left also behind the drain, while the stages before the
   rank finish, and the tied embedding's bucket after the schedule); nothing else;
-* the pipeline runs m = global batch / (micro-batch · DP) micro-batches: m times the slowest
-  rank's micro-batch, plus the bubble (P - 1)/V times the mean one;
+* the pipeline runs m = global batch / (micro-batch · DP) micro-batches: under 1F1B the longest
+  stage's path (its m micro-batches, the forwards before it and the backwards after it, and the
+  wait for its first gradient: one_f_one_b_time; (m + P - 1) micro-batch times for equal stages),
+  interleaved m times the slowest rank's micro-batch plus the bubble (P - 1)/V times the mean one;
 * then the exposed DP reduction, the distributed optimizer's parameter all-gather, the TP/CP
   partial-gradient all-reduces, the tied embedding's all-reduce over the pipeline's ends, and the
   optimizer step, memory-bound over the rank's parameters.
@@ -113,6 +115,20 @@ def beside(comm: float, compute: float, machine) -> float:
     return comm - machine.comm_overlap * min(comm, compute)
 
 
+def one_f_one_b_time(forward: list, backward: list, m: int) -> float:
+    """The 1F1B schedule's makespan over stages with their own forward and backward times (per
+    micro-batch), m micro-batches: the longest of each stage's path. Stage k starts after the
+    forwards of the stages before it, runs its m forwards and backwards, and ends before the
+    backwards of the stages before it; its first backward waits for the gradient's round trip
+    through the stages after it, less the P - 1 - k warmup forwards it runs meanwhile. With equal
+    stages that is (m + P - 1) micro-batch times, the bubble formula's; with unequal ones the
+    slowest stage's own fill and drain, not the mean's, set the bubble."""
+    p = len(forward)
+    return max(sum(forward[:k]) + m * (forward[k] + backward[k])
+               + max(0.0, sum(forward[i] + backward[i] for i in range(k + 1, p)) - (p - 1 - k) * forward[k])
+               + sum(backward[:k]) for k in range(p))
+
+
 def bubble_time(pp: int, virtual: int, microbatch_time: float) -> float:
     """The pipeline's fill and drain: (P - 1)/V micro-batch times ((interleaved) 1F1B)."""
     return (pp - 1) / virtual * microbatch_time
@@ -190,8 +206,11 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
     mb = [a.total for a in ranks]
     slowest = max(range(pp), key=lambda r: (mb[r], -r))
     mean = sum(mb) / pp
-    bubble = bubble_time(pp, virtual, mean)
-    pipe_time = m * mb[slowest] + bubble
+    if pp > 1 and virtual == 1:
+        pipe_time = one_f_one_b_time([a.forward for a in ranks], [a.backward for a in ranks], m)
+    else:  # interleaved: (P - 1)/V micro-batch times of the mean rank
+        pipe_time = m * mb[slowest] + bubble_time(pp, virtual, mean)
+    bubble = pipe_time - m * mb[slowest]
 
     # after the last micro-batch: the data-parallel reduction and the optimizer, per rank
     params = _rank_parameters(t, pp)
