@@ -16,6 +16,10 @@ same time, so ranks sharing cores measure the share they get:
 * fused attention (runtime.CoreAttention on torch's SDPA, causal, forward and backward) at a few
   sequence lengths and head sizes, fp32: its FLOPs as the plan counts them (s^2/2 pairs) over
   its time, against the fp32 GEMM rate, is the profile's `efficiency.attention`;
+* batched per-head matrix multiplies (torch.matmul over [batch x heads, rows, head size], the
+  products of the unfused attention and of runtime/context_parallel.py's blocks: QK^T and PV
+  forward, the four gradients backward) at a few block and head sizes, fp32: the same ratio, the
+  profile's `efficiency.batched_gemm`;
 * memory-bound kernels: the kinds a transformer layer runs besides its GEMMs (an add, a GELU, a
   dropout, a softmax and a layer norm) over activation-sized tensors, bytes read and written
   (the plan's `memory_traffic` count: a dropout also writes its one-byte mask) over time; the
@@ -59,6 +63,8 @@ GEMM_SIZES = {"fp32": (64, 128, 192, 256, 384), "bf16": (32, 64, 128),
 LAYER_SHAPES = ((2, 1, 1), (2, 1, 3), (2, 1, 4), (2, 4, 1))
 GEMM_VARIANTS = ("forward", "input gradient", "weight gradient")
 ATTENTION_SHAPES = ((256, 2, 8, 32), (256, 2, 4, 64), (512, 1, 4, 64))  # (sequence, batch, heads, head size)
+# batched per-head products (batch x heads, rows, head size): the unfused attention's and CP's blocks
+BATCHED_SHAPES = ((16, 64, 32), (16, 128, 64), (8, 256, 64), (8, 128, 128))
 DTYPES = ("fp32", "bf16", "fp16")
 ELEMENTWISE = (1 << 18, 1 << 20)  # elements: activation-sized tensors of small models
 ALL_REDUCE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
@@ -142,6 +148,16 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
             core(q, k, v).backward(grad)
 
         attention.append((forward, _timed(attend, reps)))
+    batched = []
+    for bh, rows, size in BATCHED_SHAPES:
+        q, k, v, do = (torch.randn(bh, rows, size) for _ in range(4))
+        p, ds = torch.randn(bh, rows, rows), torch.randn(bh, rows, rows)
+
+        def block():  # forward QK^T and PV; backward dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q
+            q @ k.transpose(1, 2), p @ v
+            do @ v.transpose(1, 2), p.transpose(1, 2) @ do, ds @ k, ds.transpose(1, 2) @ q
+
+        batched.append((2.0 * 2 * bh * rows * rows * size, _timed(block, reps)))
     memory = []
     fn = torch.nn.functional
     for n in ELEMENTWISE:
@@ -218,7 +234,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
     except (OSError, ValueError):
         pass
     if rank == 0:
-        out.update(gemm=gemm, attention=attention, overlap=overlap, optimizer=optimizer, memory=memory, collectives=collectives, sends=sends, all_to_all=all_to_all,
+        out.update(gemm=gemm, attention=attention, batched=batched, overlap=overlap, optimizer=optimizer, memory=memory, collectives=collectives, sends=sends, all_to_all=all_to_all,
                    overhead=overhead, rss=rss,
                    transport=pg.transport_summary(), threads=torch.get_num_threads())
     dist.barrier()
@@ -283,6 +299,7 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
     half = max(0.0, a32 / b32)
     # the plan times attention as a forward GEMM and a backward of two, each (F + F_half) / (R e)
     attention = statistics.median(3 * (f + half) / (peak["fp32"] * t) for f, t in m["attention"])
+    batched = statistics.median(3 * (f + half) / (peak["fp32"] * t) for f, t in m["batched"])
     bandwidth = statistics.median(nbytes / t for nbytes, t in m["memory"])
     if m["collectives"]:
         latency, link_bw = _link(m["collectives"], 2 * (ranks - 1), 2 * (ranks - 1) / ranks)
@@ -348,6 +365,9 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
         "  gemm: 1.0",
         f"  attention: {attention:.4f}            # fused causal attention (SDPA) forward + backward, fp32, over the "
         "GEMM rate: " + "  ".join(f"{f * 3 / t / 1e9:.2f}" for f, t in m["attention"]) + " GFLOP/s",
+        f"  batched_gemm: {batched:.4f}         # per-head batched matmuls (the unfused attention's, CP's blocks), "
+        "forward + backward, fp32, over the GEMM rate: " + "  ".join(f"{f * 3 / t / 1e9:.2f}" for f, t in m["batched"])
+        + " GFLOP/s",
         f"  gemm_half_flops: {half:.4e}         # fp32's fixed cost per GEMM, in FLOPs",
         "  memory: 1.0",
         "  link: 1.0",

@@ -351,10 +351,11 @@ class CoreAttention(OpKind):
     def matmul_kernel(self, node):
         # sdpa, flash and TE are fused kernels, whose rate a profile states apart
         # (efficiency.attention); the unfused path (soft-capping takes it) and CP's blocks
-        # (runtime/context_parallel.py, torch.matmul over each block) run batched GEMMs
+        # (runtime/context_parallel.py, torch.matmul over each block) run batched per-head GEMMs
+        # (efficiency.batched_gemm)
         unfused = node.impl == "unfused" or node.attrs.get("softcap")
         cp = node.in_layouts and node.in_layouts[0]["cp"] == "S(s)"
-        return "gemm" if unfused or cp else "attention"
+        return "batched_gemm" if unfused or cp else "attention"
 
     def _cp_block_traffic(self, node, local_in) -> tuple:
         """runtime/context_parallel.py computes each block of scores in memory, in fp32 at least

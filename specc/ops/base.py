@@ -304,9 +304,11 @@ class OpKind:
 
     def matmul_kernel(self, node) -> str:
         """Which kind of kernel runs `flops()` of this node (its implementation chosen), for the time model
-        (specc/plan/time.py): "gemm", a BLAS matrix multiply, at a profile's GEMM rate; or
-        "attention", a fused attention kernel (many small per-head products with the softmax
-        between them), at that rate times the profile's `efficiency.attention`."""
+        (specc/plan/time.py): "gemm", a BLAS matrix multiply, at a profile's GEMM rate;
+        "batched_gemm", a batched BLAS multiply of many small per-head matrices (torch.matmul
+        over [batch x heads, rows, head_dim]), at that rate times the profile's
+        `efficiency.batched_gemm`; or "attention", a fused attention kernel (many small per-head
+        products with the softmax between them), at that rate times `efficiency.attention`."""
         return "gemm"
 
     # -- emission --------------------------------------------------------------------------

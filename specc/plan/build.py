@@ -36,7 +36,7 @@ class Entry:
     comm_hidden: tuple = (0.0, 0.0)
     memory: tuple = (0, 0)
     recomputed: bool = False
-    kernel: str = "gemm"  # what runs the FLOPs (OpKind.matmul_kernel): "gemm" or "attention"
+    kernel: str = "gemm"  # what runs the FLOPs (OpKind.matmul_kernel): "gemm", "batched_gemm" or "attention"
 
 
 @dataclass

@@ -12,7 +12,9 @@ node take instead of `intra_node` (gloo carries both itself, not through the sha
 runtime's other CPU collectives use; absent: they take the node's link). `efficiency.attention`
 (optional, 1 when absent) is the rate of fused attention kernels (sdpa, flash, TE) over the GEMM
 rate on the FLOPs the plan counts for them: many small per-head products with the softmax in
-between reach less of the peak than one large GEMM. `efficiency.overlap` (optional, 1 when
+between reach less of the peak than one large GEMM. `efficiency.batched_gemm` (optional, 1 when
+absent) is the rate of batched per-head GEMMs (torch.matmul over [batch x heads, rows, head size]:
+the unfused attention's products, CP's blocks) over the GEMM rate. `efficiency.overlap` (optional, 1 when
 absent, from -1 to 1) is the share of the shorter of a collective and the compute issued beside
 it that running them together saves: 1 where copy engines and NICs move the data (GPUs), less on
 a CPU host, whose cores both compute and copy; below 0 when they contend, so that together they
@@ -60,6 +62,7 @@ class Machine:
     point_to_point: Link | None = None  # the link of sends inside a node, when not intra_node's
     all_to_all: Link | None = None  # the link of all-to-alls inside a node, when not intra_node's
     attention_efficiency: float = 1.0  # a fused attention kernel's rate over the GEMM rate (absent: 1)
+    batched_gemm_efficiency: float = 1.0  # batched per-head GEMMs' rate over the GEMM rate (absent: 1)
     comm_overlap: float = 1.0  # what running a collective beside compute saves, of the shorter (absent: 1)
     optimizer_efficiency: float = 1.0  # the optimizer step's rate over the memory-bound kernels' (absent: 1)
 
@@ -165,5 +168,6 @@ def _machine(doc, path: str, source: str) -> Machine:
         op_overhead=number(eff, "op_overhead", least=-1e-300) if "op_overhead" in eff else 0.0,
         point_to_point=links.get("point_to_point"), all_to_all=links.get("all_to_all"),
         attention_efficiency=number(eff, "attention") if "attention" in eff else 1.0,
+        batched_gemm_efficiency=number(eff, "batched_gemm") if "batched_gemm" in eff else 1.0,
         comm_overlap=number(eff, "overlap", least=-1.0 - 1e-9, most=1.0) if "overlap" in eff else 1.0,
         optimizer_efficiency=number(eff, "optimizer") if "optimizer" in eff else 1.0)

@@ -3,7 +3,8 @@ and the memory each GPU needs. docs/planning.md states the model; in short:
 
 * a GEMM's time is its FLOPs over the peak for the plan's dtype times an efficiency that grows with
   its size, eff(F) = gemm · F / (F + gemm_half_flops), and a fused attention kernel's at the
-  profile's `attention` share of that (1 when it says none); a memory-bound kernel's is the bytes it moves
+  profile's `attention` share of that (1 when it says none), a batched per-head multiply's (the
+  unfused attention's, CP's blocks) at its `batched_gemm` share; a memory-bound kernel's is the bytes it moves
   (the op's `memory_traffic`) over memory bandwidth · memory efficiency; an op costs the sum;
 * a collective's time is the ring algorithm's: all-reduce 2(n-1)/n · bytes, all-gather,
   reduce-scatter and all-to-all (n-1)/n · bytes, over the link its group crosses (inside a node,
@@ -61,12 +62,15 @@ class Job:
 
 def gemm_time(flops: float, machine, dtype: str, kernel: str = "gemm") -> float:
     """One GEMM of `flops` FLOPs: F / (peak · gemm · F / (F + F_half)) = (F + F_half) / (peak · gemm);
-    a fused attention kernel's (`kernel` "attention") at the profile's attention share of that rate."""
+    a fused attention kernel's (`kernel` "attention") at the profile's attention share of that rate,
+    a batched per-head multiply's ("batched_gemm") at its batched_gemm share."""
     if flops <= 0:
         return 0.0
     rate = machine.peak(dtype) * machine.gemm_efficiency
     if kernel == "attention":
         rate *= machine.attention_efficiency
+    elif kernel == "batched_gemm":
+        rate *= machine.batched_gemm_efficiency
     return (flops + machine.gemm_half_flops) / rate
 
 

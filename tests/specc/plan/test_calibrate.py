@@ -30,6 +30,8 @@ def test_profile_recovers_the_constants(tmp_path):
                      for f in [2.0 * m_ * k * n_ * n ** 3] for v in GEMM_VARIANTS] for d in DTYPES},
         # fused attention at 0.4 of the fp32 GEMM rate: forward (F + F_half), backward twice that
         "attention": [(f, 3 * (f + half) / (0.4 * rate["fp32"])) for f in (1e8, 4e8, 9e8)],
+        # batched per-head products at 0.3 of it, the same form
+        "batched": [(f, 3 * (f + half) / (0.3 * rate["fp32"])) for f in (2e7, 1e8, 3e8)],
         # (GEMM alone, collective alone, together): 0.6 of the shorter saved, one contended (-0.5)
         "overlap": [(2e-3, 1e-3, 2.4e-3), (4e-3, 5e-3, 6.4e-3), (1e-3, 1e-3, 1.4e-3), (2e-3, 1e-3, 3.5e-3)],
         # the fused optimizer step streams its 32 bytes an element at 2.5x the kernel mix's rate
@@ -49,6 +51,7 @@ def test_profile_recovers_the_constants(tmp_path):
         assert m.peak(d) == pytest.approx(rate[d], rel=1e-3)
     assert m.gemm_half_flops == pytest.approx(half, rel=1e-3)
     assert m.attention_efficiency == pytest.approx(0.4, rel=1e-3)
+    assert m.batched_gemm_efficiency == pytest.approx(0.3, rel=1e-3)
     assert m.comm_overlap == pytest.approx(0.6, rel=1e-3)
     assert m.optimizer_efficiency == pytest.approx(2.5, rel=1e-3)
     assert m.memory_bandwidth == pytest.approx(bandwidth, rel=1e-3)
@@ -61,6 +64,7 @@ def test_profile_recovers_the_constants(tmp_path):
     # and the time model reads them back as measured
     f = 2.0 * 256 ** 3
     assert gemm_time(f, m, "fp32") == pytest.approx((f + half) / rate["fp32"], rel=1e-3)
+    assert gemm_time(f, m, "fp32", "batched_gemm") == pytest.approx((f + half) / (0.3 * rate["fp32"]), rel=1e-3)
     assert collective_time("all_reduce", 1 << 20, ranks, m.intra_node, 1.0) == pytest.approx(
         measured["collectives"][2][1], rel=1e-3)
 

@@ -133,7 +133,7 @@ def test_diff_rebuilds_generated_folders_from_their_recorded_settings(capsys, mo
 @pytest.mark.parametrize("comm,pairs", [("p2p", 3 * 8 * 8 + 2 * 8 * 8 // 2), ("all_gather", 16 * 32)])
 def test_cp_blocks_are_batched_gemms_over_scores_in_memory(compiled, comm, pairs):
     """runtime/context_parallel.py computes each block's scores in memory in fp32 with torch.matmul:
-    the plan times its FLOPs as GEMMs and charges 10 passes over the scores forward, 18 backward,
+    the plan times its FLOPs as batched GEMMs and charges 10 passes over the scores forward, 18 backward,
     4 bytes each (llama-tiny: no dropout), over the pairs flops() counts: at CP 2 on s = 32 the
     ring's load-balanced chunks of 8 give 3 whole chunk pairs and 2 diagonal ones per rank (half
     of each, Megatron's convention), the all-gather its 16 x 32 rectangle."""
@@ -141,7 +141,7 @@ def test_cp_blocks_are_batched_gemms_over_scores_in_memory(compiled, comm, pairs
     attn = [e for e in plan.entries if e.kind == "core_attention"]
     one = build_plan(compiled("llama-tiny.yaml", dtype="bf16", micro_batch_size=2)[1])
     fused = [e for e in one.entries if e.kind == "core_attention"]
-    assert attn and fused and all(e.kernel == "gemm" for e in attn) and all(e.kernel == "attention" for e in fused)
+    assert attn and fused and all(e.kernel == "batched_gemm" for e in attn) and all(e.kernel == "attention" for e in fused)
     assert all(e.memory == (0, 0) for e in fused)  # SDPA keeps its scores on chip
     scores = 2 * 8 * pairs  # batch x heads x pairs
     assert all(e.memory == (10 * 4 * scores, 18 * 4 * scores) for e in attn)
