@@ -45,12 +45,20 @@ def main(argv=None) -> int:
                f"{60 * res.evaluated / res.seconds:,.0f} per wall minute")
     sys.stdout.write(text + "\n" + summary + "\n")
     if args.write_doc:
+        import datetime
+
         from benchdoc import replace_section
 
         given = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if a != "--write-doc")
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        try:
+            load = "load average " + " ".join(open("/proc/loadavg").read().split()[:3])
+        except OSError:
+            load = "load average unknown"
         replace_section(os.path.join(ROOT, "docs", "benchmarks.md"), "\n".join([
             "## Plan search: candidates per minute", "",
-            f"`python bench/plan_search.py {given}`: `specc plan --search` in process on GPT-3 175B's sizes "
+            f"`{' '.join(['python bench/plan_search.py', given]).strip()}` ({when}, {load} after): "
+            "`specc plan --search` in process on GPT-3 175B's sizes "
             "(96 layers), on one core (the CPU minute is this process's; the wall minute counts the other jobs "
             "sharing the machine). Target: at least 1,000 candidates a minute.", "", "```", text.rstrip(), "",
             summary, "```", ""]))
