@@ -20,3 +20,11 @@ def replace_section(path: str, section: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def load_line() -> str:
+    """The host's load average, for a benchmark's doc line (a loaded host measures the other jobs too)."""
+    try:
+        return "load average " + " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "load average unknown"

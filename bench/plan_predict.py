@@ -24,7 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchdoc import replace_section  # noqa: E402
+from benchdoc import load_line, replace_section  # noqa: E402
 
 SPEC = os.path.join(ROOT, "specs", "gpt.yaml")
 RANKS = 2
@@ -97,13 +97,6 @@ def spearman(xs: list, ys: list) -> float:
     num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
     den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
     return num / den
-
-
-def load_line() -> str:
-    try:
-        return "load average " + " ".join(open("/proc/loadavg").read().split()[:3])
-    except OSError:
-        return "load average unknown"
 
 
 def main(argv=None) -> int:

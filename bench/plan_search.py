@@ -47,14 +47,11 @@ def main(argv=None) -> int:
     if args.write_doc:
         import datetime
 
-        from benchdoc import replace_section
+        from benchdoc import load_line, replace_section
 
         given = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if a != "--write-doc")
         when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        try:
-            load = "load average " + " ".join(open("/proc/loadavg").read().split()[:3])
-        except OSError:
-            load = "load average unknown"
+        load = load_line()
         replace_section(os.path.join(ROOT, "docs", "benchmarks.md"), "\n".join([
             "## Plan search: candidates per minute", "",
             f"`{' '.join(['python bench/plan_search.py', given]).strip()}` ({when}, {load} after): "
