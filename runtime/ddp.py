@@ -70,6 +70,24 @@ class Bucket:
         return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
 
 
+def _callers(module: nn.Module) -> list:
+    """(module, the parameters its forward reads) for every module with a forward of its own, in
+    registration order: its own parameters and those of its descendants that have no forward
+    (plain nn.Module containers that only name parameters, never called)."""
+    out, index = [], {}
+    for name, m in module.named_modules():
+        if type(m).forward is not nn.Module.forward or not name:
+            index[name] = len(out)
+            out.append((m, list(m.parameters(recurse=False))))
+            continue
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        while parent not in index:  # the nearest ancestor with a forward (the root has one's place)
+            parent = parent.rsplit(".", 1)[0] if "." in parent else ""
+        index[name] = index[parent]
+        out[index[parent]][1].extend(m.parameters(recurse=False))
+    return out
+
+
 class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, pg: ProcessGroups, *, bucket_size: int = 4_000_000,
                  grad_reduce: str = "all_reduce", overlap_grad_reduce: bool = True):
@@ -139,11 +157,14 @@ class DistributedDataParallel(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         # The distributed optimizer's parameter all-gathers when overlapped with the next forward
         # (--overlap-param-gather): bucket index -> its pending gather, waited for by a forward
-        # pre-hook on each module that holds a parameter of that bucket.
+        # pre-hook on each module that holds a parameter of that bucket. A module without a forward
+        # of its own (a plain nn.Module that only names parameters, as the grouped experts'
+        # `linear_fc1.weight`) is never called: the nearest ancestor with a forward, whose forward
+        # reads them, waits for its parameters.
         self._param_gathers: dict = {}
         first_use: dict = {}
-        for m in module.modules():
-            own = sorted({self._bucket_of[p].index for p in m.parameters(recurse=False) if p in self._bucket_of})
+        for m, held in _callers(module):
+            own = sorted({self._bucket_of[p].index for p in held if p in self._bucket_of})
             if own:
                 self._hooks.append(m.register_forward_pre_hook(self._param_hook(own)))
             for i in own:

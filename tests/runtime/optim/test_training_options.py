@@ -313,3 +313,51 @@ def test_expert_parallel_size_rules_are_one_line_each():
         cfg.parallel.ep = ep
         errors = resolve(cfg, 2)
         assert len(errors) == 1 and errors[0].startswith(expected), errors
+
+
+def _param_gather_with_experts(rank, world):
+    """A mixture of experts at EP 1 over DP 2: the expert weights get buckets of their own (over
+    the expert-data-parallel group, here the DP ranks), after the dense ones. The overlapped
+    gathers cover them in forward order too, and the weights equal the blocking gather's."""
+    import os
+
+    from runtime.init import randomize_parameters
+    from runtime.moe import is_expert_param
+    from specc_torch.api import build_model
+
+    spec = os.path.join(os.path.dirname(__file__), "..", "..", "..", "specs", "mixtral-tiny.yaml")
+    pg = ProcessGroups.initialize(dp=2)
+    try:
+        gen = torch.Generator().manual_seed(3 + rank)
+        tokens, labels = torch.randint(0, 100, (2, 16), generator=gen), torch.randint(0, 100, (2, 16), generator=gen)
+        out = {}
+        for overlap in (False, True):
+            torch.manual_seed(7)  # the same draws in both runs (the router's, dropout's)
+            model = build_model(spec, pg, micro_batch_size=2, overrides={"num_layers": 2})
+            randomize_parameters(model, 5)
+            ddp = DistributedDataParallel(model, pg, bucket_size=4_000, grad_reduce="reduce_scatter")
+            opt = Adam(ddp, pg, distributed=True, overlap_param_gather=overlap)
+            for _ in range(3):
+                ddp.zero_grad_buffer()
+                ddp(tokens, labels).mean().backward()
+                finalize_model_grads(model, pg, ddp)
+                opt.step(1e-2)
+            ddp.finish_param_sync()
+            experts = sorted({ddp._bucket_of[p].index for p in ddp.params if is_expert_param(p)})
+            first = next(m for m in model.modules() if any(p in ddp._bucket_of for p in m.parameters(recurse=False)))
+            out[overlap] = ([p.detach().clone() for p in model.parameters()], ddp.forward_order, experts,
+                            {ddp._bucket_of[p].index for p in first.parameters(recurse=False)}, len(ddp.buckets))
+        return out
+    finally:
+        pg.destroy()
+
+
+def test_overlapped_param_gather_orders_and_gathers_expert_buckets(gloo):
+    for out in gloo.run(2, _param_gather_with_experts):
+        (plain, _, _, _, _), (overlapped, order, experts, first, buckets) = out[False], out[True]
+        assert buckets > 2 and experts and max(experts) == buckets - 1  # expert buckets follow the dense ones
+        assert sorted(order) == list(range(buckets)) and set(order[:len(first)]) == first
+        # the first layer's experts are gathered before the last layer's dense weights (forward order)
+        assert order.index(experts[-1]) < order.index(0)
+        for a, b in zip(plain, overlapped):
+            assert torch.equal(a, b)
