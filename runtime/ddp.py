@@ -80,10 +80,8 @@ def _callers(module: nn.Module) -> list:
             index[name] = len(out)
             out.append((m, list(m.parameters(recurse=False))))
             continue
-        parent = name.rsplit(".", 1)[0] if "." in name else ""
-        while parent not in index:  # the nearest ancestor with a forward (the root has one's place)
-            parent = parent.rsplit(".", 1)[0] if "." in parent else ""
-        index[name] = index[parent]
+        parent = name.rsplit(".", 1)[0] if "." in name else ""  # listed before its children
+        index[name] = index[parent]  # a container's entry is its nearest caller's
         out[index[parent]][1].extend(m.parameters(recurse=False))
     return out
 
