@@ -263,6 +263,30 @@ def send_recv(send_tensor: torch.Tensor | None, dst: int | None, recv_tensor: to
     return dist.batch_isend_irecv(ops) if ops else []
 
 
+def ring_exchange(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, group: Group, tag: int = 0) -> list:
+    """The ring's shift, a collective over `group`: every rank sends `send_tensor` to group rank + 1
+    and receives group rank - 1's into `recv_tensor` (same shape and dtype on every rank), as
+    context parallelism's ring attention passes K/V on; returns the work handles to wait on.
+    Counted as send_recv's one "send" and one "recv". Through the group's shared-memory transport
+    when it has one (runtime/cpu/shared_memory.py: gloo's sends contend with the computation they
+    should run beside), else send_recv's batched isend/irecv with `tag`. On a group of size 1 the
+    tensor is copied."""
+    if send_tensor.shape != recv_tensor.shape or send_tensor.dtype != recv_tensor.dtype:
+        raise ValueError(f"ring_exchange: the sent and received tensors differ: {tuple(send_tensor.shape)} "
+                         f"{send_tensor.dtype} and {tuple(recv_tensor.shape)} {recv_tensor.dtype}")
+    n = group.size
+    if n == 1:
+        _copy_if_distinct(recv_tensor, send_tensor)
+        return []
+    if not _shared_memory(group, send_tensor, recv_tensor):
+        return send_recv(send_tensor, (group.rank + 1) % n, recv_tensor, (group.rank - 1) % n, group, tag)
+    _check_contiguous(send_tensor, "send tensor")
+    _check_contiguous(recv_tensor, "recv tensor")
+    CommCounter._record("send", group, send_tensor)
+    CommCounter._record("recv", group, recv_tensor)
+    return [group.transport.ring_shift(recv_tensor, send_tensor, async_op=True)]
+
+
 def _shared_memory(group: Group, *tensors: torch.Tensor) -> bool:
     """Whether this collective goes through the group's shared-memory transport: CPU tensors of
     one dtype on a group that has one."""

@@ -448,7 +448,6 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: _Config):
         cp, n, rank = cfg.cp, cfg.cp.size, cfg.cp.rank
-        nxt_rank, prev_rank = (rank + 1) % n, (rank - 1) % n
         s = q.shape[0]
         dtype = _compute_dtype(q.dtype)
         q5 = _q_heads(q, cfg, dtype)
@@ -464,7 +463,7 @@ class _RingAttention(torch.autograd.Function):
             works, incoming = [], None
             if step < n - 1:  # start the next block's transfer; it runs during this block
                 incoming = torch.empty_like(kv)
-                works = comm.send_recv(kv, nxt_rank, incoming, prev_rank, cp, tag=_KV_TAG)
+                works = comm.ring_exchange(kv, incoming, cp, tag=_KV_TAG)
             for rows, cols, masked, bias in _step_blocks(step, cfg, s, q_pos, q.device, dtype):
                 qb = q5[..., rows, :]
                 keep = cfg.dropout.keep((*qb.shape[:-1], cols.stop - cols.start), rows,
@@ -494,7 +493,6 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cfg = ctx.cfg
         cp, n, rank = cfg.cp, cfg.cp.size, cfg.cp.rank
-        nxt_rank, prev_rank = (rank + 1) % n, (rank - 1) % n
         s = q.shape[0]
         dtype = _compute_dtype(q.dtype)
         out = _output_heads(ctx, out, cfg, dtype)
@@ -510,10 +508,10 @@ class _RingAttention(torch.autograd.Function):
             works, incoming, dkv_in = [], None, None
             if step < n - 1:
                 incoming = torch.empty_like(kv)
-                works += comm.send_recv(kv, nxt_rank, incoming, prev_rank, cp, tag=_KV_TAG)
+                works += comm.ring_exchange(kv, incoming, cp, tag=_KV_TAG)
             if need_kv and step > 0:  # pass the previous block's dK/dV on; receive this block's
                 dkv_in = torch.empty_like(dkv)
-                works += comm.send_recv(dkv, nxt_rank, dkv_in, prev_rank, cp, tag=_DKV_TAG)
+                works += comm.ring_exchange(dkv, dkv_in, cp, tag=_DKV_TAG)
             block_dkv = torch.zeros_like(kv) if need_kv else None
             for rows, cols, masked, bias in _step_blocks(step, cfg, s, q_pos, q.device, dtype):
                 qb = q5[..., rows, :]
@@ -536,7 +534,7 @@ class _RingAttention(torch.autograd.Function):
         if need_kv:
             if n > 1:  # the last block held is rank+1's: its dK/dV go home
                 own = torch.empty_like(dkv)
-                _wait(comm.send_recv(dkv, nxt_rank, own, prev_rank, cp, tag=_DKV_TAG))
+                _wait(comm.ring_exchange(dkv, own, cp, tag=_DKV_TAG))
                 dkv = own
             dk, dv = dkv[0], dkv[1]
         return _from_q_heads(dq, q.dtype), dk, dv, None

@@ -77,6 +77,12 @@ def _check_against_gloo(rank, world, slot_bytes):
                 comm.reduce_scatter_tensor(got, full, shm)
                 comm.reduce_scatter_tensor(want, full, plain.tp)
                 _check_sum(got, want, _gathered(full, plain)[:, rank * n:(rank + 1) * n])
+                got, want = torch.full((n,), -1).to(dtype), torch.full((n,), -2).to(dtype)
+                for work in comm.ring_exchange(x, got, shm) + comm.ring_exchange(x, want, plain.tp):
+                    work.wait()
+                assert torch.equal(got, want), (dtype, n)
+                assert torch.equal(got, _gathered(x, plain)[(rank - 1) % world]), (dtype, n)
+        _check_ring_exchanges_in_flight(rank, world, shm, plain)
         _check_in_place_and_async(rank, world, shm, plain)
         return _same_on_every_rank(rank, world, shm, plain)
     finally:
@@ -114,6 +120,28 @@ def _check_in_place_and_async(rank, world, shm, plain):
     work_a.wait()
     for got, want, parts in zip((a, b, c), (a_ref, b_ref, c_ref), inputs):
         _check_sum(got, want, parts)
+
+
+def _check_ring_exchanges_in_flight(rank, world, shm, plain):
+    """The CP ring's backward: K/V and the dK/dV accumulators shifted at once, waited on after the
+    block's computation; the second issue finishes the first. Each lands on the next rank, both
+    counted as a send and a receive, as through gloo."""
+    kv, dkv = _values(rank, (2, 70), torch.float32, salt=21), _values(rank, (2, 70), torch.float32, salt=22)
+    kv_in, dkv_in, sent = torch.empty_like(kv), torch.empty_like(dkv), kv.clone()
+    with CommCounter() as shm_count:
+        works = comm.ring_exchange(kv, kv_in, shm, tag=11) + comm.ring_exchange(dkv, dkv_in, shm, tag=12)
+        kv.add_(1.0)  # the message was taken when issued: changing the tensor after is safe
+    for work in works:
+        work.wait()
+    assert torch.equal(kv_in.view(-1), _gathered(sent.view(-1), plain)[(rank - 1) % world])
+    assert torch.equal(dkv_in.view(-1), _gathered(dkv.view(-1), plain)[(rank - 1) % world])
+    with CommCounter() as gloo_count:
+        for work in comm.ring_exchange(dkv, dkv_in, plain.tp):
+            work.wait()
+    assert shm_count.totals() == {"send": (2, 2 * 560), "recv": (2, 2 * 560)}
+    assert gloo_count.totals() == {"send": (1, 560), "recv": (1, 560)}
+    with pytest.raises(ValueError, match="the sent and received tensors differ"):
+        comm.ring_exchange(kv, torch.empty(3), shm)
 
 
 def _same_on_every_rank(rank, world, shm, plain):
