@@ -29,9 +29,10 @@ same time, so ranks sharing cores measure the share they get:
 * the all-reduce over the N ranks by size: fitted to the ring's t = 2(N-1) latency +
   2(N-1)/N bytes / bandwidth (the one link of one host: intra- and inter-node alike);
 * point-to-point sends by size, each rank sending to the next and receiving from the one before
-  at once through runtime.comm.send_recv (the pipeline's and the CP ring's exchange): fitted to
-  t = latency + bytes / bandwidth, the profile's `point_to_point` link (gloo's sends do not take
-  the shared memory its collectives use); and the all-to-all over the N ranks by size
+  at once through runtime.comm.send_recv (as the pipeline's sends go): fitted to t = latency +
+  bytes / bandwidth, the profile's `point_to_point` link (gloo's sends do not take the shared
+  memory the collectives use; the CP ring's shift, runtime.comm.ring_exchange, does, and the
+  model charges it the intra-node link); and the all-to-all over the N ranks by size
   (runtime.comm.all_to_all, EP's) to the ring form's (N-1) latency + (N-1)/N bytes / bandwidth,
   the profile's `all_to_all` link (gloo's own too);
 * the optimizer step (the gradient's norm and torch's fused AdamW, the runtime's, over a flat fp32

@@ -7,9 +7,10 @@ how much of each peak real kernels reach (`efficiency`); and a memory allowance 
 Two optional keys describe a host whose framework, not its kernels, sets the pace of small ops
 (what `specc calibrate` measures on a CPU): `efficiency.op_overhead`, seconds each op call costs
 beyond its kernels' bytes and FLOPs (dispatch, autograd, allocation; 0 when absent), and
-`point_to_point` and `all_to_all`, links that point-to-point sends and all-to-alls inside a
-node take instead of `intra_node` (gloo carries both itself, not through the shared memory the
-runtime's other CPU collectives use; absent: they take the node's link). `efficiency.attention`
+`point_to_point` and `all_to_all`, links that the pipeline's point-to-point sends and all-to-alls
+inside a node take instead of `intra_node` (gloo carries both itself, not through the shared memory
+the runtime's other CPU collectives use, the CP ring's shift included; absent: they take the
+node's link). `efficiency.attention`
 (optional, 1 when absent) is the rate of fused attention kernels (sdpa, flash, TE) over the GEMM
 rate on the FLOPs the plan counts for them: many small per-head products with the softmax in
 between reach less of the peak than one large GEMM. `efficiency.batched_gemm` (optional, 1 when

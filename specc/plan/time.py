@@ -11,8 +11,8 @@ and the memory each GPU needs. docs/planning.md states the model; in short:
   or across nodes from the rank order: tp innermost, then cp, then dp, then pp, as
   runtime/parallel_state.py lays ranks out) at its bandwidth · link efficiency, plus one latency
   per ring step; a point-to-point send is bytes over the link plus one latency (inside a node
-  sends and all-to-alls take the profile's `point_to_point` and `all_to_all` links when it has
-  them);
+  the pipeline's sends and all-to-alls take the profile's `point_to_point` and `all_to_all` links
+  when it has them; the CP ring's shift, a collective of the cp group, takes the node's link);
 * on a profile with `op_overhead` (a calibrated host), every op call that runs a kernel or a
   collective costs that many seconds more, forward and backward each (and its forward again
   when recomputed): the framework's dispatch, autograd and allocation;
@@ -179,7 +179,9 @@ def predict(plan, tokens_per_sample: int, machine, job: Job) -> dict:
     def coll(kind, nbytes, axis):
         stride, n = strides[axis]
         link, inside = links[axis]
-        if inside and kind in ("send", "all_to_all"):
+        # the pipeline's sends and EP's all-to-all go through torch.distributed (gloo on a CPU host);
+        # the CP ring's shift is a collective (runtime.comm.ring_exchange) on the group's own transport
+        if inside and (kind == "all_to_all" or (kind == "send" and axis != "cp")):
             link = (machine.point_to_point if kind == "send" else machine.all_to_all) or link
         return collective_time(kind, nbytes, n, link, eff)
 
