@@ -20,6 +20,12 @@ same time, so ranks sharing cores measure the share they get:
   products of the unfused attention and of runtime/context_parallel.py's blocks: QK^T and PV
   forward, the four gradients backward) at a few block and head sizes, fp32: the same ratio, the
   profile's `efficiency.batched_gemm`;
+* context parallelism's blocks (runtime.context_parallel_attention on one rank: a whole s x s
+  block, causal (masked) and not, forward and backward, fp32, at a few sizes): what is left of the
+  time after the GEMMs the plan counts for them (at the batched rate) and the op's overhead is
+  their passes over the scores; the bytes the plan counts for those passes over it, against the
+  memory bandwidth, is `efficiency.cp_blocks` (on a CPU the exponentials, of masked scores most,
+  run below the memory's speed);
 * memory-bound kernels: the kinds a transformer layer runs besides its GEMMs (an add, a GELU, a
   dropout, a softmax and a layer norm) over activation-sized tensors, bytes read and written
   (the plan's `memory_traffic` count: a dropout also writes its one-byte mask) over time; the
@@ -56,6 +62,7 @@ import sys
 import time
 
 from specc.errors import Loc, SpecError
+from specc.ops.attention import cp_block_flops, cp_block_pass_bytes, cp_computed_pairs
 from specc.plan.time import OPTIMIZER_BYTES_PER_ELEMENT
 
 GEMM_SIZES = {"fp32": (64, 128, 192, 256, 384), "bf16": (32, 64, 128),
@@ -66,6 +73,7 @@ GEMM_VARIANTS = ("forward", "input gradient", "weight gradient")
 ATTENTION_SHAPES = ((256, 2, 8, 32), (256, 2, 4, 64), (512, 1, 4, 64))  # (sequence, batch, heads, head size)
 # batched per-head products (batch x heads, rows, head size): the unfused attention's and CP's blocks
 BATCHED_SHAPES = ((16, 64, 32), (16, 128, 64), (8, 256, 64), (8, 128, 128))
+CP_BLOCK_SHAPES = ((128, 2, 8, 32), (256, 1, 8, 64), (128, 2, 4, 64))  # (local sequence, batch, heads, head size)
 DTYPES = ("fp32", "bf16", "fp16")
 ELEMENTWISE = (1 << 18, 1 << 20)  # elements: activation-sized tensors of small models
 ALL_REDUCE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
@@ -118,8 +126,9 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
 
     from runtime import comm
     from runtime.attention import CoreAttention
+    from runtime.context_parallel import context_parallel_attention
     from runtime.layers import LayerNorm
-    from runtime.parallel_state import ProcessGroups
+    from runtime.parallel_state import Group, ProcessGroups
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -159,6 +168,18 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
             do @ v.transpose(1, 2), p.transpose(1, 2) @ do, ds @ k, ds.transpose(1, 2) @ q
 
         batched.append((2.0 * 2 * bh * rows * rows * size, _timed(block, reps)))
+    cp_blocks = []
+    for seq, batch, heads, size in CP_BLOCK_SHAPES:
+        for causal in (True, False):
+            q, k, v = (torch.randn(seq, batch, heads * size, requires_grad=True) for _ in range(3))
+            grad = torch.randn(seq, batch, heads * size)
+
+            def blocks():  # one rank: the ring's first step, its local block whole
+                context_parallel_attention(q, k, v, num_heads=heads, num_kv_heads=heads, head_dim=size,
+                                           cp=Group.single("cp"), causal=causal).backward(grad)
+
+            scores = batch * heads * cp_computed_pairs(seq, 1, "p2p", causal, None, False)
+            cp_blocks.append((scores, size, causal, _timed(blocks, reps)))
     memory = []
     fn = torch.nn.functional
     for n in ELEMENTWISE:
@@ -235,7 +256,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
     except (OSError, ValueError):
         pass
     if rank == 0:
-        out.update(gemm=gemm, attention=attention, batched=batched, overlap=overlap, optimizer=optimizer, memory=memory, collectives=collectives, sends=sends, all_to_all=all_to_all,
+        out.update(gemm=gemm, attention=attention, batched=batched, cp_blocks=cp_blocks, overlap=overlap, optimizer=optimizer, memory=memory, collectives=collectives, sends=sends, all_to_all=all_to_all,
                    overhead=overhead, rss=rss,
                    transport=pg.transport_summary(), threads=torch.get_num_threads())
     dist.barrier()
@@ -292,6 +313,19 @@ def _link(points: list, steps: int, share: float) -> tuple:
     return max(a, 1e-7) / steps, share / b
 
 
+def _cp_block_share(scores: int, head_dim: int, seconds: float, batched_rate: float, half: float,
+                    bandwidth: float, op_overhead: float) -> float:
+    """The CP blocks' passes' share of the memory-bound rate from one measurement: the time model's
+    passes over the scores (their bytes over the bandwidth) over what is left of `seconds` after
+    the GEMMs and the op's overhead as the time model charges them (specc/plan/time.py). A point
+    with next to nothing left gives at most 10."""
+    f_fwd, f_bwd = cp_block_flops(scores, head_dim, head_dim)
+    gemms = (f_fwd + half) / batched_rate + 2 * (f_bwd / 2 + half) / batched_rate
+    fwd, bwd = cp_block_pass_bytes(False, False)
+    passes = (fwd + bwd) * scores / bandwidth
+    return passes / max(seconds - gemms - 2 * op_overhead, passes / 10)
+
+
 def profile_yaml(m: dict, ranks: int, name: str) -> str:
     """The profile of measurements `m`, every number with where it came from."""
     fits = {d: _fit([p[0] for p in pts], [p[1] for p in pts]) for d, pts in m["gemm"].items()}
@@ -315,6 +349,8 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
     # the optimizer step's bytes as the time model counts them for fp32 Adam, over its time
     opt_rate = [n * OPTIMIZER_BYTES_PER_ELEMENT / t for n, t in m.get("optimizer", [])]
     op_overhead = max(0.0, _fit([k for k, _ in m["overhead"]], [t for _, t in m["overhead"]])[1] / 2)
+    cp_blocks = [_cp_block_share(scores, size, t, peak["fp32"] * batched, half, bandwidth, op_overhead)
+                 for scores, size, _, t in m.get("cp_blocks", [])]
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
@@ -370,6 +406,14 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
         "forward + backward, fp32, over the GEMM rate: " + "  ".join(f"{f * 3 / t / 1e9:.2f}" for f, t in m["batched"])
         + " GFLOP/s",
         f"  gemm_half_flops: {half:.4e}         # fp32's fixed cost per GEMM, in FLOPs",
+    ]
+    if cp_blocks:
+        lines.append(f"  cp_blocks: {statistics.median(cp_blocks):.4f}            # CP's blocks (one rank's s x s, "
+                     "forward + backward, fp32), passes over the scores: the plan's bytes over the time left after "
+                     "its GEMMs, over memory_bandwidth; causal/not: " + "  ".join(
+                         f"{'c' if causal else 'n'}{scores}:{t * 1e3:.2f}ms={share:.2f}"
+                         for (scores, _, causal, t), share in zip(m["cp_blocks"], cp_blocks)))
+    lines += [
         "  memory: 1.0",
         "  link: 1.0",
     ]

@@ -348,14 +348,36 @@ class CoreAttention(OpKind):
         forward = 2 * b * pairs * heads * (node.attrs["head_dim"] + self.v_dim(node.attrs))  # QK^T, then PV
         return forward, 2 * forward
 
+    def kernel_flops(self, node, local_in, local_out, mesh):
+        """Under CP, what runtime/context_parallel.py's blocks compute: every pair of its blocks
+        (cp_computed_pairs: the ring's diagonal blocks whole, masked pairs included), and backward
+        recomputes the scores (Q K^T) from the saved log-sum-exp before its four products:
+        forward 2 * b * pairs * heads * (head_dim + v_head_dim), backward twice that plus
+        2 * b * pairs * heads * head_dim. None elsewhere: a fused kernel's rate is calibrated on
+        flops() (efficiency.attention), so its own masked tiles and recompute are in that rate."""
+        if not (node.in_layouts and node.in_layouts[0]["cp"] == "S(s)"):
+            return None
+        pairs, b, heads = self._cp_computed(node, local_in)
+        return cp_block_flops(b * heads * pairs, node.attrs["head_dim"], self.v_dim(node.attrs))
+
+    def _cp_computed(self, node, local_in) -> tuple:
+        """(pairs computed per (batch, head), batch, local heads) of the runtime's CP blocks."""
+        a, q = node.attrs, local_in[0]
+        by_position = bool(a.get("window") or a.get("chunk") or a["alibi"] or len(local_in) == 4)
+        pairs = cp_computed_pairs(q[0], a["cp_size"], a.get("cp_comm_type_resolved", "p2p"), a["causal"],
+                                  a.get("window"), by_position)
+        return pairs, q[1], q[-1] // a["head_dim"]
+
     def matmul_kernel(self, node):
         # sdpa, flash and TE are fused kernels, whose rate a profile states apart
         # (efficiency.attention); the unfused path (soft-capping takes it) and CP's blocks
         # (runtime/context_parallel.py, torch.matmul over each block) run batched per-head GEMMs
-        # (efficiency.batched_gemm)
+        # (efficiency.batched_gemm), CP's as "cp_blocks", whose passes over the scores a profile
+        # may rate apart (efficiency.cp_blocks)
+        if node.in_layouts and node.in_layouts[0]["cp"] == "S(s)":
+            return "cp_blocks"
         unfused = node.impl == "unfused" or node.attrs.get("softcap")
-        cp = node.in_layouts and node.in_layouts[0]["cp"] == "S(s)"
-        return "batched_gemm" if unfused or cp else "attention"
+        return "batched_gemm" if unfused else "attention"
 
     def _cp_block_traffic(self, node, local_in) -> tuple:
         """runtime/context_parallel.py computes each block of scores in memory, in fp32 at least
@@ -367,18 +389,12 @@ class CoreAttention(OpKind):
         and reads dS for dQ and dK (2): 18. Dropout adds its mask and two products forward
         (4c + 1), the mask's scaled copy and two products backward (7c + 1); soft-capping its
         division, tanh and product forward (6c) and again with its derivative backward (11c).
-        The causal mask's pass on the diagonal blocks is left out (2 of the ring's 2N blocks)."""
+        Over the pairs the blocks compute (cp_computed_pairs, masked ones included); the mask's
+        own pass on a masked block is left out."""
         a = node.attrs
-        q = local_in[0]
-        pairs = cp_pairs(q[0], a["cp_size"], a.get("cp_comm_type_resolved", "p2p"), a["causal"], a.get("window"))
-        scores = q[1] * (q[-1] // a["head_dim"]) * pairs
-        c = 4  # promote_types(dtype, float32)
-        fwd, bwd = 10 * c, 18 * c
-        if a["dropout"] > 0:
-            fwd, bwd = fwd + 4 * c + 1, bwd + 7 * c + 1
-        if a.get("softcap"):
-            fwd, bwd = fwd + 6 * c, bwd + 11 * c
-        return fwd * scores, bwd * scores
+        pairs, b, heads = self._cp_computed(node, local_in)
+        fwd, bwd = cp_block_pass_bytes(a["dropout"] > 0, bool(a.get("softcap")))
+        return fwd * b * heads * pairs, bwd * b * heads * pairs
 
     def saved_bytes(self, node, local_in, local_out, elt):
         if node.in_layouts and node.in_layouts[0]["cp"] == "S(s)":
@@ -497,6 +513,45 @@ def cp_pairs(s_local: int, n: int, comm_type: str, causal: bool, window) -> int:
                     if _chunk_pair_kind(q_start, k_start, c, causal, window) != "skip":
                         halves += 1 if causal and q_start == k_start else 2
     return halves * c * c // (2 * n)
+
+
+def cp_block_flops(scores: int, head_dim: int, v_head_dim: int) -> tuple:
+    """(forward, backward) FLOPs runtime/context_parallel.py's blocks run over `scores` (batch x
+    heads x pairs computed): Q K^T and P V forward; backward recomputes Q K^T, then dP, dV, dQ, dK."""
+    forward = 2 * scores * (head_dim + v_head_dim)
+    return forward, 2 * forward + 2 * scores * head_dim
+
+
+def cp_block_pass_bytes(dropout: bool, softcap: bool) -> tuple:
+    """(forward, backward) bytes the CP blocks' memory-bound passes move per score computed
+    (OpKind memory_traffic of core_attention under CP, which says which passes)."""
+    c = 4  # promote_types(dtype, float32)
+    fwd, bwd = 10 * c, 18 * c
+    if dropout:
+        fwd, bwd = fwd + 4 * c + 1, bwd + 7 * c + 1
+    if softcap:
+        fwd, bwd = fwd + 6 * c, bwd + 11 * c
+    return fwd, bwd
+
+
+def cp_computed_pairs(s_local: int, n: int, comm_type: str, causal: bool, window, by_position: bool) -> int:
+    """The (query, key) pairs runtime/context_parallel.py's blocks compute on one CP rank, masked
+    ones included (cp_pairs counts those the mask keeps). The all-gather: s_local * S. The ring
+    with the plain causal (or no) mask: its first step is the local block whole, 4c^2 (c = s_local
+    / 2), and each later step half a block causal, 2c^2, or a whole one; under a mask by position
+    (`by_position`: a window, chunks, ALiBi's bias or document ids) every chunk pair the causal
+    mask and the window do not rule out, c^2 each (rows of one query chunk against the key chunks
+    it keeps). Averaged over the ranks."""
+    if comm_type == "all_gather":
+        return s_local * s_local * n
+    c = s_local // 2
+    if not by_position:
+        return 4 * c * c + (n - 1) * (2 if causal else 4) * c * c
+    kept = sum(_chunk_pair_kind(q_start, k_start, c, causal, window) != "skip"
+               for rank in range(n) for src in range(n)
+               for q_start in (k * c for k in cp_chunk_pair(n, rank))
+               for k_start in (k * c for k in cp_chunk_pair(n, src)))
+    return kept * c * c // n
 
 
 def _mib(nbytes: int) -> str:

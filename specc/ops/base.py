@@ -302,13 +302,21 @@ class OpKind:
         matrices says so here."""
         return 0, 0
 
+    def kernel_flops(self, node, local_in: list, local_out: list, mesh) -> tuple | None:
+        """(forward, backward) FLOPs the chosen implementation's kernels run, for the time model,
+        where they differ from `flops()`, the model FLOPs that MFU counts (work computed and then
+        masked away, a product recomputed in backward); None: they are flops()."""
+        return None
+
     def matmul_kernel(self, node) -> str:
         """Which kind of kernel runs `flops()` of this node (its implementation chosen), for the time model
         (specc/plan/time.py): "gemm", a BLAS matrix multiply, at a profile's GEMM rate;
         "batched_gemm", a batched BLAS multiply of many small per-head matrices (torch.matmul
         over [batch x heads, rows, head_dim]), at that rate times the profile's
         `efficiency.batched_gemm`; or "attention", a fused attention kernel (many small per-head
-        products with the softmax between them), at that rate times `efficiency.attention`."""
+        products with the softmax between them), at that rate times `efficiency.attention`; or
+        "cp_blocks", context parallelism's blocks (runtime/context_parallel.py): batched GEMMs, whose
+        memory-bound passes over the scores run at the profile's `efficiency.cp_blocks` share."""
         return "gemm"
 
     # -- emission --------------------------------------------------------------------------

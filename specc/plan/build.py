@@ -36,7 +36,8 @@ class Entry:
     comm_hidden: tuple = (0.0, 0.0)
     memory: tuple = (0, 0)
     recomputed: bool = False
-    kernel: str = "gemm"  # what runs the FLOPs (OpKind.matmul_kernel): "gemm", "batched_gemm" or "attention"
+    kernel: str = "gemm"  # what runs the FLOPs (OpKind.matmul_kernel): "gemm", "batched_gemm", "attention", "cp_blocks"
+    kernel_flops: tuple = ()  # the FLOPs the kernels run where not `flops` (OpKind.kernel_flops); (): flops
 
 
 @dataclass
@@ -106,6 +107,7 @@ def _entry(graph, op, elt: int) -> Entry:
     local_in, local_out = _local_shapes(graph, op)
     entry.flops = tuple(kind.flops(op, local_in, local_out, graph.mesh))
     entry.kernel = kind.matmul_kernel(op)
+    entry.kernel_flops = tuple(kind.kernel_flops(op, local_in, local_out, graph.mesh) or ())
     entry.weights = tuple((w.name, _local_weight_shape(w, graph.spec.settings)) for w in kind.weights(op.attrs))
     entry.comm_axes = (tuple(kind.comm_axis(op, k) for k, _ in fwd), tuple(kind.comm_axis(op, k) for k, _ in bwd))
     entry.comm_hidden = tuple(kind.comm_hidden(op))
@@ -262,12 +264,13 @@ def _instances(repeats: dict, name: str) -> list:
 def _signature(e: Entry, prefix: str):
     return (e.name[len(prefix):], e.kind, e.impl, tuple(e.layouts_in), tuple(e.layouts_out), tuple(e.forward),
             tuple(e.backward), e.saved, tuple(n.replace(prefix, "") for n in e.notes), e.flops, e.weights,
-            e.comm_axes, e.comm_hidden, e.memory, e.recomputed, e.kernel)
+            e.comm_axes, e.comm_hidden, e.memory, e.recomputed, e.kernel, e.kernel_flops)
 
 
 def _renamed(e: Entry, name: str, count: int) -> Entry:
     out = Entry(name, e.kind, e.impl, e.impl_reason, e.layouts_in, e.layouts_out, e.forward, e.backward, e.saved,
-                e.notes, count, e.flops, e.weights, e.comm_axes, e.comm_hidden, e.memory, e.recomputed, e.kernel)
+                e.notes, count, e.flops, e.weights, e.comm_axes, e.comm_hidden, e.memory, e.recomputed, e.kernel,
+                e.kernel_flops)
     out.saved_items = e.saved_items
     return out
 

@@ -15,7 +15,10 @@ node's link). `efficiency.attention`
 rate on the FLOPs the plan counts for them: many small per-head products with the softmax in
 between reach less of the peak than one large GEMM. `efficiency.batched_gemm` (optional, 1 when
 absent) is the rate of batched per-head GEMMs (torch.matmul over [batch x heads, rows, head size]:
-the unfused attention's products, CP's blocks) over the GEMM rate. `efficiency.overlap` (optional, 1 when
+the unfused attention's products, CP's blocks) over the GEMM rate. `efficiency.cp_blocks` (optional, 1
+when absent) is the rate of the CP blocks' memory-bound passes over their scores (scaling, masking,
+log-sum-exp, exponentials, the softmax gradient) over the memory-bound kernels' rate: on a CPU the
+exponentials, and those of masked scores most, run below the memory's speed. `efficiency.overlap` (optional, 1 when
 absent, from -1 to 1) is the share of the shorter of a collective and the compute issued beside
 it that running them together saves: 1 where copy engines and NICs move the data (GPUs), less on
 a CPU host, whose cores both compute and copy; below 0 when they contend, so that together they
@@ -64,6 +67,7 @@ class Machine:
     all_to_all: Link | None = None  # the link of all-to-alls inside a node, when not intra_node's
     attention_efficiency: float = 1.0  # a fused attention kernel's rate over the GEMM rate (absent: 1)
     batched_gemm_efficiency: float = 1.0  # batched per-head GEMMs' rate over the GEMM rate (absent: 1)
+    cp_blocks_efficiency: float = 1.0  # CP blocks' passes over their scores: rate over memory-bound kernels' (absent: 1)
     comm_overlap: float = 1.0  # what running a collective beside compute saves, of the shorter (absent: 1)
     optimizer_efficiency: float = 1.0  # the optimizer step's rate over the memory-bound kernels' (absent: 1)
 
@@ -170,5 +174,6 @@ def _machine(doc, path: str, source: str) -> Machine:
         point_to_point=links.get("point_to_point"), all_to_all=links.get("all_to_all"),
         attention_efficiency=number(eff, "attention") if "attention" in eff else 1.0,
         batched_gemm_efficiency=number(eff, "batched_gemm") if "batched_gemm" in eff else 1.0,
+        cp_blocks_efficiency=number(eff, "cp_blocks") if "cp_blocks" in eff else 1.0,
         comm_overlap=number(eff, "overlap", least=-1.0 - 1e-9, most=1.0) if "overlap" in eff else 1.0,
         optimizer_efficiency=number(eff, "optimizer") if "optimizer" in eff else 1.0)

@@ -5,7 +5,9 @@ and the memory each GPU needs. docs/planning.md states the model; in short:
   its size, eff(F) = gemm · F / (F + gemm_half_flops), and a fused attention kernel's at the
   profile's `attention` share of that (1 when it says none), a batched per-head multiply's (the
   unfused attention's, CP's blocks) at its `batched_gemm` share; a memory-bound kernel's is the bytes it moves
-  (the op's `memory_traffic`) over memory bandwidth · memory efficiency; an op costs the sum;
+  (the op's `memory_traffic`) over memory bandwidth · memory efficiency (CP's blocks' passes over
+  their scores times the profile's `cp_blocks` share); an op costs the sum; FLOPs are those the
+  kernels run (OpKind.kernel_flops: CP's blocks compute masked pairs and recompute Q K^T);
 * a collective's time is the ring algorithm's: all-reduce 2(n-1)/n · bytes, all-gather,
   reduce-scatter and all-to-all (n-1)/n · bytes, over the link its group crosses (inside a node,
   or across nodes from the rank order: tp innermost, then cp, then dp, then pp, as
@@ -69,13 +71,18 @@ def gemm_time(flops: float, machine, dtype: str, kernel: str = "gemm") -> float:
     rate = machine.peak(dtype) * machine.gemm_efficiency
     if kernel == "attention":
         rate *= machine.attention_efficiency
-    elif kernel == "batched_gemm":
+    elif kernel in ("batched_gemm", "cp_blocks"):
         rate *= machine.batched_gemm_efficiency
     return (flops + machine.gemm_half_flops) / rate
 
 
-def memory_time(nbytes: float, machine) -> float:
-    return nbytes / (machine.memory_bandwidth * machine.memory_efficiency) if nbytes > 0 else 0.0
+def memory_time(nbytes: float, machine, kernel: str = "gemm") -> float:
+    """Memory-bound kernels moving `nbytes`; CP's blocks' passes over the scores (`kernel`
+    "cp_blocks") at the profile's cp_blocks share of the rate."""
+    if nbytes <= 0:
+        return 0.0
+    share = machine.cp_blocks_efficiency if kernel == "cp_blocks" else 1.0
+    return nbytes / (machine.memory_bandwidth * machine.memory_efficiency * share)
 
 
 def collective_time(kind: str, nbytes: float, n: int, link: Link, efficiency: float) -> float:
@@ -366,7 +373,7 @@ class _Acc:
 
 def _add_entry(acc: _Acc, mult: float, e, machine, dtype: str, coll) -> None:
     """One plan entry, `mult` instances, into a stage's micro-batch."""
-    f_fwd, f_bwd = e.flops
+    f_fwd, f_bwd = e.kernel_flops or e.flops
     gemm_f = gemm_time(f_fwd, machine, dtype, e.kernel)
     gemm_b = 2 * gemm_time(f_bwd / 2, machine, dtype, e.kernel) if f_bwd else 0.0  # grad-input and weight-gradient
     gemm_r = gemm_f if e.recomputed else 0.0
@@ -387,8 +394,8 @@ def _add_entry(acc: _Acc, mult: float, e, machine, dtype: str, coll) -> None:
             if total > 0:
                 acc.add(axis, mult * exposed * x / total, backward)
     mem_f, mem_b = e.memory
-    acc.add("memory", mult * memory_time(mem_f, machine), False)
-    acc.add("memory", mult * memory_time(mem_b, machine), True)
+    acc.add("memory", mult * memory_time(mem_f, machine, e.kernel), False)
+    acc.add("memory", mult * memory_time(mem_b, machine, e.kernel), True)
     if machine.op_overhead:
         calls_f, calls_b = op_calls(e)
         acc.add("overhead", mult * calls_f * machine.op_overhead, False)

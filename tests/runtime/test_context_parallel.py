@@ -22,6 +22,7 @@ from runtime.context_parallel import (
     FULL,
     PARTIAL,
     SKIP,
+    _ring_block,
     _ring_blocks,
     chunk_pair_kind,
     context_parallel_attention,
@@ -145,6 +146,35 @@ def test_ring_blocks_cover_exactly_what_the_mask_keeps(n):
     assert chunk_pair_kind(8, 0, 4, True, 3) == SKIP and chunk_pair_kind(4, 0, 4, True, None) == FULL
     assert chunk_pair_kind(4, 0, 4, True, 4) == PARTIAL and chunk_pair_kind(0, 8, 4, False, 5) == SKIP
     assert chunk_pair_kind(0, 4, 4, True, None) == SKIP and chunk_pair_kind(0, 8, 4, False, 6) == PARTIAL
+
+
+def _size(s: slice) -> int:
+    return s.stop - s.start
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_the_plan_counts_the_pairs_the_ring_computes(n):
+    """specc/ops/attention.py's cp_computed_pairs (the time model's count, by its own copy of the
+    rule) equals the query x key pairs of the blocks the ring computes, averaged over the ranks:
+    the plain causal or bidirectional ring's blocks, and those cut by chunk pairs under a mask by
+    position (a window, documents), the masked pairs inside them included."""
+    from specc.ops.attention import cp_computed_pairs
+
+    for c in (3, 4):
+        for causal in (True, False):
+            for window, by_position in [(None, False), (None, True), (1, True), (3, True), (4, True), (7, True),
+                                        (100, True)]:
+                total = 0
+                for rank in range(n):
+                    for step in range(n):
+                        if by_position:
+                            blocks = [(r, k) for r, k, _ in _ring_blocks(step, rank, n, 2 * c, causal, window)]
+                        else:
+                            blocks = [_ring_block(step, rank, n, 2 * c, causal)[:2]]
+                        total += sum(_size(rows) * _size(cols) for rows, cols in blocks)
+                assert cp_computed_pairs(2 * c, n, "p2p", causal, window, by_position) == total // n, \
+                    (n, c, causal, window, by_position)
+    assert cp_computed_pairs(8, 2, "p2p", True, None, False) == 4 * 16 + 2 * 16  # whole first block, then half
 
 
 def test_cp_argument_checks():

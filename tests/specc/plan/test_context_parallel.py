@@ -130,18 +130,24 @@ def test_diff_rebuilds_generated_folders_from_their_recorded_settings(capsys, mo
     assert main(["diff", "generated/gpt_tp2_sp", "generated/gpt_tp2_sp"]) == 0
 
 
-@pytest.mark.parametrize("comm,pairs", [("p2p", 3 * 8 * 8 + 2 * 8 * 8 // 2), ("all_gather", 16 * 32)])
-def test_cp_blocks_are_batched_gemms_over_scores_in_memory(compiled, comm, pairs):
+@pytest.mark.parametrize("comm,pairs,computed", [("p2p", 3 * 8 * 8 + 2 * 8 * 8 // 2, 6 * 8 * 8),
+                                                  ("all_gather", 16 * 32, 16 * 32)])
+def test_cp_blocks_are_batched_gemms_over_scores_in_memory(compiled, comm, pairs, computed):
     """runtime/context_parallel.py computes each block's scores in memory in fp32 with torch.matmul:
     the plan times its FLOPs as batched GEMMs and charges 10 passes over the scores forward, 18 backward,
-    4 bytes each (llama-tiny: no dropout), over the pairs flops() counts: at CP 2 on s = 32 the
+    4 bytes each (llama-tiny: no dropout). flops() counts the pairs the mask keeps: at CP 2 on s = 32 the
     ring's load-balanced chunks of 8 give 3 whole chunk pairs and 2 diagonal ones per rank (half
-    of each, Megatron's convention), the all-gather its 16 x 32 rectangle."""
+    of each, Megatron's convention), the all-gather its 16 x 32 rectangle. The time model takes the
+    pairs the blocks compute: the ring's first step is the local 16 x 16 block whole (4 chunk
+    pairs, one of them wholly masked), its second half a block (2), and backward recomputes Q K^T."""
     plan = build_plan(compiled("llama-tiny.yaml", cp=2, cp_comm_type=comm, dtype="bf16", micro_batch_size=2)[1])
     attn = [e for e in plan.entries if e.kind == "core_attention"]
     one = build_plan(compiled("llama-tiny.yaml", dtype="bf16", micro_batch_size=2)[1])
     fused = [e for e in one.entries if e.kind == "core_attention"]
-    assert attn and fused and all(e.kernel == "batched_gemm" for e in attn) and all(e.kernel == "attention" for e in fused)
-    assert all(e.memory == (0, 0) for e in fused)  # SDPA keeps its scores on chip
-    scores = 2 * 8 * pairs  # batch x heads x pairs
-    assert all(e.memory == (10 * 4 * scores, 18 * 4 * scores) for e in attn)
+    assert attn and fused and all(e.kernel == "cp_blocks" for e in attn) and all(e.kernel == "attention" for e in fused)
+    assert all(e.memory == (0, 0) for e in fused) and all(e.kernel_flops == () for e in fused)  # SDPA: on chip
+    head_dim = 64 // 8
+    scores, run = 2 * 8 * pairs, 2 * 8 * computed  # batch x heads x pairs
+    assert all(e.flops == (2 * scores * 2 * head_dim, 4 * scores * 2 * head_dim) for e in attn)
+    assert all(e.kernel_flops == (2 * run * 2 * head_dim, 4 * run * 2 * head_dim + 2 * run * head_dim) for e in attn)
+    assert all(e.memory == (10 * 4 * run, 18 * 4 * run) for e in attn)
