@@ -222,7 +222,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
             a, b, t = torch.randn(n, n), torch.randn(n, n), torch.ones(nbytes // 4)
             sent, inc = torch.ones(nbytes // 8), torch.empty(nbytes // 8)
 
-            # DP's and TP's all-reduce; the pipeline's and the CP ring's exchange of sends
+            # DP's and TP's all-reduce; the pipeline's sends (gloo's, beside the compute)
             issues = (lambda: [comm.all_reduce(t, pg.dp, async_op=True)],
                       lambda: comm.send_recv(sent, nxt, inc, prev, pg.dp))
             for issue in issues:
@@ -405,7 +405,6 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
         f"  batched_gemm: {batched:.4f}         # per-head batched matmuls (the unfused attention's, CP's blocks), "
         "forward + backward, fp32, over the GEMM rate: " + "  ".join(f"{f * 3 / t / 1e9:.2f}" for f, t in m["batched"])
         + " GFLOP/s",
-        f"  gemm_half_flops: {half:.4e}         # fp32's fixed cost per GEMM, in FLOPs",
     ]
     if cp_blocks:
         lines.append(f"  cp_blocks: {statistics.median(cp_blocks):.4f}            # CP's blocks (one rank's s x s, "
@@ -414,6 +413,7 @@ def profile_yaml(m: dict, ranks: int, name: str) -> str:
                          f"{'c' if causal else 'n'}{scores}:{t * 1e3:.2f}ms={share:.2f}"
                          for (scores, _, causal, t), share in zip(m["cp_blocks"], cp_blocks)))
     lines += [
+        f"  gemm_half_flops: {half:.4e}         # fp32's fixed cost per GEMM, in FLOPs",
         "  memory: 1.0",
         "  link: 1.0",
     ]
