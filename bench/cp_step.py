@@ -171,13 +171,14 @@ Model: {shape}.
   (`specc plan specs/gpt.yaml --cp N --json --dtype fp32 --micro-batch-size B --set ...`). Every
   saved activation is per token, so CP=2 holds half of CP=1's; ring attention keeps only the local
   K/V (no gathered copy) and its log-sum-exp.
-- **why CP=2 is not faster per step on CPU**: CP halves every GEMM per rank, but the ring
-  attention computes its blocks unfused (matmuls, fp32 exp and masking, a flash-style recompute in
-  backward), about twice the time per query of the fused flash-attention kernel (SDPA) that CP=1
-  runs. torch.profiler, one step at these settings: CP=1 spends ~0.67 s in GEMMs and ~0.50 s in
-  SDPA of ~1.5 s; each CP=2 rank ~0.33 s in GEMMs and ~1.0 s in the ring attention's ops. Running
-  each ring block through the fused kernel (it returns the log-sum-exp the merge needs) is what
-  would make CP=2 faster; the activation memory halves either way.
+- **why CP=2 is not twice as fast**: CP halves every GEMM per rank, but the ring attention
+  computes its blocks unfused (matmuls, fp32 exp and masking, a flash-style recompute in backward;
+  its first step the rank's local block whole, masked pairs included), slower per query than the
+  fused flash-attention kernel (SDPA) CP=1 runs. Its K/V shift goes through the cp group's shared
+  memory (runtime.comm.ring_exchange): through gloo's sends, whose threads take the rank's core
+  from the blocks beside them, CP=2 was slower per step than CP=1 (1.10x on the AVX2 host of
+  2026-12-01). Running each block through a fused kernel that returns the log-sum-exp the merge
+  needs is what would bring it closer to 2x; the activation memory halves either way.
 - **first loss**: both settings start from the same weights (the TP-invariant init from one seed)
   and see the same full batch; each CP rank computes its chunks' per-token losses and the model
   gathers them, so the first losses agree to float32 rounding.
