@@ -202,14 +202,19 @@ class _Emitter:
         if scope == "" and self.g.pipeline is not None:
             return self._pipeline_root(mdef, items, names, init, body, starts, init_starts, partial_at, outs)
         body.append("return " + ", ".join(names.get(v) for v in outs))
-        text = "\n".join(init + body)
-        for axis in reversed(self.mesh.axes):  # self.tp first
-            if re.search(rf"\bself\.{axis}\b", text):
-                init.insert(0, f"self.{axis} = pg.{axis}")
-        if "rng_tracker=self.rng_tracker" in text:  # a recompute replays the tracker's streams
-            init.insert(0, "self.rng_tracker = rng_tracker")
+        init = self._handles_used(init, body)
         init = _order_ties(init) + sorted(set(partial), key=partial.index)
         return init, body, list(mdef.inputs)
+
+    def _handles_used(self, init: list, body: list) -> list:
+        """`init` preceded by the attributes the module's lines read: `self.<axis> = pg.<axis>` for
+        each process group they name (self.tp first) and the RNG tracker a recompute replays. The
+        lines are this emitter's own, where a group appears only as `self.<axis>`."""
+        text = "\n".join(init + body)
+        head = [f"self.{axis} = pg.{axis}" for axis in self.mesh.axes if re.search(rf"\bself\.{axis}\b", text)]
+        if "rng_tracker=self.rng_tracker" in text:
+            head.insert(0, "self.rng_tracker = rng_tracker")
+        return head + init
 
     def _commented(self, code: str, comment: str) -> str:
         """`code  # comment`; where that runs past the line width, fit_lines puts the comment
@@ -374,12 +379,7 @@ class _Emitter:
                 'self.post_process = any(s["post_process"] for s in self.stages)']
         init = head + (["if self.pre_process:"] + [f"    {ln}" for ln in pre_init] if pre_init else []) + block_init + \
             (["if self.post_process:"] + [f"    {ln}" for ln in post_init] if post_init else [])
-        text = "\n".join(init + body)
-        for axis in reversed(self.mesh.axes):
-            if re.search(rf"\bself\.{axis}\b", text):
-                init.insert(0, f"self.{axis} = pg.{axis}")
-        if "rng_tracker=self.rng_tracker" in text:  # a recompute replays the tracker's streams
-            init.insert(0, "self.rng_tracker = rng_tracker")
+        init = self._handles_used(init, body)
         body = (['if PIPELINE_STAGES[stage]["pre_process"]:'] + [f"    {ln}" for ln in pre_body] if pre_body else []) \
             + block_body + ['if not PIPELINE_STAGES[stage]["post_process"]:', f"    return {carry_out(block_body, carry)}"] \
             + post_body + ["return " + ", ".join(names.get(v) for v in outs)]
