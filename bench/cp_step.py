@@ -173,7 +173,7 @@ Model: {shape}.
   K/V (no gathered copy) and its log-sum-exp.
 - **why CP=2 is not twice as fast**: CP halves every GEMM per rank, but the ring attention
   computes its blocks unfused (matmuls, fp32 exp and masking, a flash-style recompute in backward;
-  its first step the rank's local block whole, masked pairs included), slower per query than the
+  its diagonal chunk pairs whole, masked pairs included), slower per query than the
   fused flash-attention kernel (SDPA) CP=1 runs. Its K/V shift goes through the cp group's shared
   memory (runtime.comm.ring_exchange): through gloo's sends, whose threads take the rank's core
   from the blocks beside them, CP=2 was slower per step than CP=1 (1.10x on the AVX2 host of

@@ -13,7 +13,9 @@ Attention over the CP group (`context_parallel_attention`), two comm types:
   block results are merged by log-sum-exp rescaling. Backward recomputes each block from the
   saved log-sum-exp (flash-attention's formulas), passes K/V around the ring again and the
   dK/dV accumulators one step behind them (N exchanges). With a causal mask no fully masked
-  block is computed: step 0 is the local causal block; K/V from an earlier rank is seen by
+  block is computed: step 0 is the local causal block (its first query chunk against its own
+  chunk, the second against both: the chunk pair wholly masked is skipped); K/V from an earlier
+  rank is seen by
   all local queries but only through its first chunk; K/V from a later rank is seen only by
   the second local query chunk, through both its chunks -- all without a mask. Under a sliding
   window or document ids each step's blocks are cut by chunk pairs instead: a (query chunk,
@@ -332,17 +334,21 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
-def _ring_block(step: int, rank: int, n: int, local_len: int, causal: bool, device=None):
-    """(query rows, kv rows, mask) of ring step `step`, whose K/V come from rank - step."""
+def _ring_block(step: int, rank: int, n: int, local_len: int, causal: bool, device=None) -> list:
+    """[(query rows, kv rows, mask)] of ring step `step` under the plain causal mask (or none),
+    whose K/V come from rank - step."""
     everything = slice(0, local_len)
     if not causal:
-        return everything, everything, None
-    if step == 0:  # local chunks in increasing position order: the plain causal mask
-        return everything, everything, torch.ones(local_len, local_len, dtype=torch.bool, device=device).triu(1)
+        return [(everything, everything, None)]
     half = local_len // 2
+    if step == 0:  # local chunks in increasing position order: the first sees only itself, causally;
+        # the second all of the first and itself causally (the pair first x second is all masked: skipped)
+        diagonal = torch.ones(half, half, dtype=torch.bool, device=device).triu(1)
+        return [(slice(0, half), slice(0, half), diagonal),
+                (slice(half, local_len), everything, torch.cat([torch.zeros_like(diagonal), diagonal], dim=1))]
     if step <= rank:  # K/V from an earlier rank: only its first chunk is in anyone's past
-        return everything, slice(0, half), None
-    return slice(half, local_len), everything, None  # later rank: only our second chunk sees it
+        return [(everything, slice(0, half), None)]
+    return [(slice(half, local_len), everything, None)]  # later rank: only our second chunk sees it
 
 
 # How a mask treats a (query chunk, key chunk) pair of the ring: no pair kept, every pair kept,
@@ -419,7 +425,7 @@ def _step_blocks(step: int, cfg: _Config, s: int, q_pos: torch.Tensor, device, d
     """[(query rows, kv rows, mask, bias)] of one ring step (a chunk pair kept whole may be cut by chunks)."""
     n, rank = cfg.cp.size, cfg.cp.rank
     if not cfg.masks_by_position:
-        return [(*_ring_block(step, rank, n, s, cfg.causal, device), None)]
+        return [(*block, None) for block in _ring_block(step, rank, n, s, cfg.causal, device)]
     k_pos = _positions(s, n, (rank - step) % n, device)
     return [(rows, cols, _block_mask(q_pos[rows], k_pos[cols], cfg, partial or cfg.chunk is not None),
              cfg.bias(q_pos[rows], k_pos[cols], dtype))
@@ -471,8 +477,11 @@ class _RingAttention(torch.autograd.Function):
                 block_out, block_lse = _block_forward(qb, _kv_heads(kv[0, cols], cfg, dtype),
                                                       _kv_heads(kv[1, cols], cfg, dtype), cfg.scale,
                                                       masked, keep, cfg.dropout.p, cfg.softcap, empty_rows, bias)
-                if out is None:
-                    out, lse = block_out, block_lse
+                if out is None:  # the plain ring's step 0: its blocks cover each row exactly once
+                    out = torch.empty(q5.shape, dtype=dtype, device=q.device)
+                    lse = torch.empty(q5.shape[:-1], dtype=dtype, device=q.device)
+                if step == 0 and not empty_rows:
+                    out[..., rows, :], lse[..., rows] = block_out, block_lse
                 else:
                     old_out, old_lse = out[..., rows, :], lse[..., rows]
                     new_lse = torch.logaddexp(old_lse, block_lse)

@@ -20,7 +20,7 @@ same time, so ranks sharing cores measure the share they get:
   products of the unfused attention and of runtime/context_parallel.py's blocks: QK^T and PV
   forward, the four gradients backward) at a few block and head sizes, fp32: the same ratio, the
   profile's `efficiency.batched_gemm`;
-* context parallelism's blocks (runtime.context_parallel_attention on one rank: a whole s x s
+* context parallelism's blocks (runtime.context_parallel_attention on one rank: the local s x s
   block, causal (masked) and not, forward and backward, fp32, at a few sizes): what is left of the
   time after the GEMMs the plan counts for them (at the batched rate) and the op's overhead is
   their passes over the scores; the bytes the plan counts for those passes over it, against the
@@ -174,7 +174,7 @@ def _rank(rank: int, world: int, port: int, quick: bool, out: dict) -> None:
             q, k, v = (torch.randn(seq, batch, heads * size, requires_grad=True) for _ in range(3))
             grad = torch.randn(seq, batch, heads * size)
 
-            def blocks():  # one rank: the ring's first step, its local block whole
+            def blocks():  # one rank: the ring's first step over the local block
                 context_parallel_attention(q, k, v, num_heads=heads, num_kv_heads=heads, head_dim=size,
                                            cp=Group.single("cp"), causal=causal).backward(grad)
 

@@ -350,7 +350,7 @@ class CoreAttention(OpKind):
 
     def kernel_flops(self, node, local_in, local_out, mesh):
         """Under CP, what runtime/context_parallel.py's blocks compute: every pair of its blocks
-        (cp_computed_pairs: the ring's diagonal blocks whole, masked pairs included), and backward
+        (cp_computed_pairs: the ring's diagonal chunk pairs whole, masked pairs included), and backward
         recomputes the scores (Q K^T) from the saved log-sum-exp before its four products:
         forward 2 * b * pairs * heads * (head_dim + v_head_dim), backward twice that plus
         2 * b * pairs * heads * head_dim. None elsewhere: a fused kernel's rate is calibrated on
@@ -537,8 +537,10 @@ def cp_block_pass_bytes(dropout: bool, softcap: bool) -> tuple:
 def cp_computed_pairs(s_local: int, n: int, comm_type: str, causal: bool, window, by_position: bool) -> int:
     """The (query, key) pairs runtime/context_parallel.py's blocks compute on one CP rank, masked
     ones included (cp_pairs counts those the mask keeps). The all-gather: s_local * S. The ring
-    with the plain causal (or no) mask: its first step is the local block whole, 4c^2 (c = s_local
-    / 2), and each later step half a block causal, 2c^2, or a whole one; under a mask by position
+    with the plain causal mask: its first step is the local block but the pair of its first
+    query chunk and second key chunk (all masked), 3c^2 (c = s_local / 2), the two diagonal chunk
+    pairs whole; each later step half a block, 2c^2. Bidirectional: a whole block, 4c^2, a step.
+    Under a mask by position
     (`by_position`: a window, chunks, ALiBi's bias or document ids) every chunk pair the causal
     mask and the window do not rule out, c^2 each (rows of one query chunk against the key chunks
     it keeps). Averaged over the ranks."""
@@ -546,7 +548,7 @@ def cp_computed_pairs(s_local: int, n: int, comm_type: str, causal: bool, window
         return s_local * s_local * n
     c = s_local // 2
     if not by_position:
-        return 4 * c * c + (n - 1) * (2 if causal else 4) * c * c
+        return (3 + (n - 1) * 2) * c * c if causal else 4 * n * c * c
     kept = sum(_chunk_pair_kind(q_start, k_start, c, causal, window) != "skip"
                for rank in range(n) for src in range(n)
                for q_start in (k * c for k in cp_chunk_pair(n, rank))

@@ -170,11 +170,11 @@ def test_the_plan_counts_the_pairs_the_ring_computes(n):
                         if by_position:
                             blocks = [(r, k) for r, k, _ in _ring_blocks(step, rank, n, 2 * c, causal, window)]
                         else:
-                            blocks = [_ring_block(step, rank, n, 2 * c, causal)[:2]]
+                            blocks = [(r, k) for r, k, _ in _ring_block(step, rank, n, 2 * c, causal)]
                         total += sum(_size(rows) * _size(cols) for rows, cols in blocks)
                 assert cp_computed_pairs(2 * c, n, "p2p", causal, window, by_position) == total // n, \
                     (n, c, causal, window, by_position)
-    assert cp_computed_pairs(8, 2, "p2p", True, None, False) == 4 * 16 + 2 * 16  # whole first block, then half
+    assert cp_computed_pairs(8, 2, "p2p", True, None, False) == 3 * 16 + 2 * 16  # 3 of 4 chunk pairs, then half
 
 
 def test_cp_argument_checks():
