@@ -540,10 +540,9 @@ def cp_computed_pairs(s_local: int, n: int, comm_type: str, causal: bool, window
     with the plain causal mask: its first step is the local block but the pair of its first
     query chunk and second key chunk (all masked), 3c^2 (c = s_local / 2), the two diagonal chunk
     pairs whole; each later step half a block, 2c^2. Bidirectional: a whole block, 4c^2, a step.
-    Under a mask by position
-    (`by_position`: a window, chunks, ALiBi's bias or document ids) every chunk pair the causal
-    mask and the window do not rule out, c^2 each (rows of one query chunk against the key chunks
-    it keeps). Averaged over the ranks."""
+    Under a mask by position (`by_position`: a window, chunks, ALiBi's bias or document ids)
+    every chunk pair the causal mask and the window do not rule out, c^2 each (rows of one query
+    chunk against the key chunks it keeps). Averaged over the ranks."""
     if comm_type == "all_gather":
         return s_local * s_local * n
     c = s_local // 2
